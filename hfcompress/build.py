@@ -1,0 +1,118 @@
+"""Step 5, build: a LisaLlamaForCausalLM from the original weights plus the fitted LISA and FASC modules, and
+the atomic write of the output directory (weights, config with auto_map, remote code, tokenizer, card, report).
+"""
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .errors import HfcompressError
+from .lisa import FittedLayer
+from .remote import AUTO_MAP, lisa_classes, remote_code_files
+
+
+def build_converted_model(
+    original: nn.Module,
+    lisa_layers: list[FittedLayer],
+    fasc_factors: dict[str, tuple[torch.Tensor, torch.Tensor]],
+) -> nn.Module:
+    """The converted model in memory; every weight comes from the original or a fitted module, none is random."""
+    config_cls, model_cls = lisa_classes()
+    base = original.config.to_dict()
+    for key in ("model_type", "architectures", "auto_map", "quantization_config", "transformers_version"):
+        base.pop(key, None)
+    config = config_cls(
+        **base,
+        lisa_layers={str(f.layer): {"rank": f.rank, "align_hidden": f.align_hidden} for f in lisa_layers},
+        fasc_ranks={name: int(b.shape[0]) for name, (a, b) in fasc_factors.items()},
+    )
+    config.architectures = ["LisaLlamaForCausalLM"]
+    config.auto_map = dict(AUTO_MAP)
+    model = model_cls(config).to(next(original.parameters()).dtype)
+
+    state = dict(original.state_dict())
+    for fitted in lisa_layers:
+        prefix = f"model.layers.{fitted.layer}.self_attn."
+        for key in ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias"):
+            state.pop(prefix + key, None)
+        state.update({prefix + key: value for key, value in fitted.state.items()})
+    for name, (a, b) in fasc_factors.items():
+        prefix = f"model.layers.{name}."
+        state.pop(prefix + "weight")
+        state[prefix + "proj_in.weight"] = b
+        state[prefix + "proj_out.weight"] = a
+        if prefix + "bias" in state:
+            state[prefix + "proj_out.bias"] = state.pop(prefix + "bias")
+    result = model.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if k != "lm_head.weight" or not config.tie_word_embeddings]
+    if missing or result.unexpected_keys:
+        raise HfcompressError(
+            f"Internal error: converted weights do not match the LisaLlama layout "
+            f"(missing {missing[:5]}, unexpected {result.unexpected_keys[:5]})."
+        )
+    model.tie_weights()
+    return model.eval().requires_grad_(False)
+
+
+def parameter_counts(model: nn.Module) -> dict[str, int]:
+    """Unique parameters (tied weights counted once), split into attention Q/K, other attention, MLP, rest."""
+    seen, counts = set(), {"total": 0, "attention_qk": 0, "attention_other": 0, "mlp": 0, "other": 0}
+    for name, param in model.named_parameters():
+        if param.data_ptr() in seen:
+            continue
+        seen.add(param.data_ptr())
+        counts["total"] += param.numel()
+        if any(t in name for t in ("q_proj", "k_proj", "q_lowrank", "k_lowrank", ".align.")):
+            counts["attention_qk"] += param.numel()
+        elif "self_attn" in name:
+            counts["attention_other"] += param.numel()
+        elif ".mlp." in name:
+            counts["mlp"] += param.numel()
+        else:
+            counts["other"] += param.numel()
+    return counts
+
+
+def write_output_dir(out_dir: Path, overwrite: bool, write: Callable[[Path], None]) -> Path:
+    """Run `write(tmp)` into a temporary sibling directory and rename it into place only when it succeeded.
+
+    A crash, Ctrl-C or full disk leaves no directory at `out_dir` that looks complete; an existing output is
+    replaced only after the new one is complete.
+    """
+    out_dir = out_dir.resolve()
+    if out_dir.exists() and not overwrite:
+        raise HfcompressError(f"Output directory {out_dir} already exists: pass --overwrite or choose another --out.")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+    try:
+        write(tmp)
+        if out_dir.exists():
+            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+            out_dir.rename(old)
+            tmp.rename(out_dir)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def save_model_files(model: nn.Module, tokenizer, generation_config, directory: Path) -> None:
+    """Weights (safetensors), config with auto_map, remote-code files, tokenizer and generation config."""
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    if generation_config is not None:
+        generation_config.save_pretrained(directory)
+    for file in remote_code_files():
+        shutil.copy2(file, directory / file.name)
+    config = json.loads((directory / "config.json").read_text())
+    if config.get("auto_map") != AUTO_MAP:
+        raise HfcompressError("Internal error: config.json was saved without its auto_map.")

@@ -1,0 +1,154 @@
+"""Step 2, calibrate: run calibration sequences through the original model and keep what LISA and FASC need.
+
+- LISA: every layer's attention input (the output of `input_layernorm`), from which scores, attention maps and
+  target outputs are recomputed exactly with the original weights.
+- FASC: for every targeted linear y = W x, the input covariance C = E[x x^T], the output-gradient covariance
+  G = E[g g^T] (g = d loss / d y of the token-summed next-token loss), float64, and random-probe moments for
+  the dependence-violation score rho (see fasc.py).
+Results are cached on disk under a key of (model, text, settings), so a rerun resumes without recomputing.
+"""
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .errors import HfcompressError
+from .progress import progress_bar
+
+RHO_PROBES = 64
+
+
+def cache_key(*parts: object) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def tensor_fingerprint(ids: torch.Tensor) -> str:
+    return hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:16]
+
+
+def load_or_compute(path: Path, compute):
+    """torch.load(path) if a previous run finished it, else compute, save atomically, return."""
+    if path.is_file():
+        return torch.load(path, weights_only=False)
+    value = compute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".partial")
+    torch.save(value, tmp)
+    tmp.replace(path)
+    return value
+
+
+@torch.no_grad()
+def collect_attention_inputs(model: nn.Module, sequences: torch.Tensor, batch_size: int = 4) -> list[torch.Tensor]:
+    """Per layer, the normalised hidden states entering self-attention: a list of (N, T, d) float32 tensors."""
+    layers = model.model.layers
+    captured: list[list[torch.Tensor]] = [[] for _ in layers]
+    hooks = []
+    for idx, layer in enumerate(layers):
+
+        def grab(module, args, kwargs, idx=idx):
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            captured[idx].append(hidden.detach().float())
+
+        hooks.append(layer.self_attn.register_forward_pre_hook(grab, with_kwargs=True))
+    try:
+        for start in progress_bar(range(0, len(sequences), batch_size), "calibrate: attention inputs"):
+            model(sequences[start : start + batch_size], use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    inputs = [torch.cat(chunks) for chunks in captured]
+    if not all(torch.isfinite(x).all() for x in inputs):
+        raise HfcompressError("The model produced NaN/inf activations on the calibration text; its weights are broken.")
+    return inputs
+
+
+@dataclass
+class LinearStats:
+    """Second-order statistics of one linear layer over calibration tokens (float64 sums)."""
+
+    in_features: int
+    out_features: int
+    tokens: int = 0
+    xx: torch.Tensor | None = None  # sum x x^T
+    gg: torch.Tensor | None = None  # sum g g^T
+    probe_in: torch.Tensor | None = None  # (in, P) random unit probes u
+    probe_out: torch.Tensor | None = None  # (out, P) random unit probes v
+    probe_a: torch.Tensor | None = None  # sum (u^T x)^2
+    probe_b: torch.Tensor | None = None  # sum (v^T g)^2
+    probe_ab: torch.Tensor | None = None  # sum (u^T x)^2 (v^T g)^2
+    extra: dict = field(default_factory=dict)
+
+    def covariances(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.xx / self.tokens, self.gg / self.tokens
+
+
+def _new_stats(linear: nn.Linear, generator: torch.Generator) -> LinearStats:
+    n, m = linear.in_features, linear.out_features
+    probe_in = torch.randn(n, RHO_PROBES, generator=generator, dtype=torch.float64)
+    probe_out = torch.randn(m, RHO_PROBES, generator=generator, dtype=torch.float64)
+    return LinearStats(
+        in_features=n,
+        out_features=m,
+        xx=torch.zeros(n, n, dtype=torch.float64),
+        gg=torch.zeros(m, m, dtype=torch.float64),
+        probe_in=probe_in / probe_in.norm(dim=0),
+        probe_out=probe_out / probe_out.norm(dim=0),
+        probe_a=torch.zeros(RHO_PROBES, dtype=torch.float64),
+        probe_b=torch.zeros(RHO_PROBES, dtype=torch.float64),
+        probe_ab=torch.zeros(RHO_PROBES, dtype=torch.float64),
+    )
+
+
+def collect_linear_stats(
+    model: nn.Module, sequences: torch.Tensor, targets: list[str], batch_size: int = 4, seed: int = 0
+) -> dict[str, LinearStats]:
+    """C, G and rho probe moments for each targeted linear (names relative to `model.model.layers`)."""
+    layers = model.model.layers
+    generator = torch.Generator().manual_seed(seed)
+    stats = {name: _new_stats(layers.get_submodule(name), generator) for name in targets}
+    hooks = []
+    for name in targets:
+        entry = stats[name]
+
+        def on_forward(module, args, output, entry=entry):
+            x = args[0].detach().reshape(-1, entry.in_features).double()
+            entry.xx += x.T @ x
+            entry.tokens += x.shape[0]
+            a = (x @ entry.probe_in) ** 2
+            entry.probe_a += a.sum(0)
+            entry.extra["a"] = a  # paired with this batch's gradient in on_grad
+
+            def on_grad(grad, entry=entry):
+                g = grad.detach().reshape(-1, entry.out_features).double()
+                entry.gg += g.T @ g
+                b = (g @ entry.probe_out) ** 2
+                entry.probe_b += b.sum(0)
+                entry.probe_ab += (entry.extra.pop("a") * b).sum(0)
+
+            output.register_hook(on_grad)
+
+        hooks.append(layers.get_submodule(name).register_forward_hook(on_forward))
+    embed = model.get_input_embeddings()
+    try:
+        for start in progress_bar(range(0, len(sequences), batch_size), "calibrate: Fisher statistics"):
+            ids = sequences[start : start + batch_size]
+            with torch.enable_grad():
+                embeds = embed(ids).detach().requires_grad_(True)  # gives the backward pass a leaf to reach
+                logits = model(inputs_embeds=embeds, use_cache=False).logits
+                loss = nn.functional.cross_entropy(
+                    logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1), reduction="sum"
+                )
+                if not torch.isfinite(loss):
+                    raise HfcompressError("The calibration loss is NaN/inf: the source weights are broken.")
+                loss.backward()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for entry in stats.values():
+        entry.extra.clear()
+    return stats

@@ -1,0 +1,146 @@
+"""`hfcompress` command line (Typer)."""
+
+import sys
+from pathlib import Path
+
+import typer
+
+from .errors import HfcompressError
+from .fasc import DEFAULT_TARGETS, METHODS, FascOptions
+from .lisa import LisaOptions
+from .source import BUILTIN_SOURCE
+
+app = typer.Typer(
+    help="Convert Llama-family models into LisaLlama (LISA attention sharing + FASC low-rank), validate, push.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+INTERRUPTED_EXIT = 130
+
+
+def _run(action) -> None:
+    """Turn HfcompressError into one red sentence and its exit code; Ctrl-C into exit 130."""
+    from .progress import console
+
+    try:
+        action()
+    except HfcompressError as err:
+        console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
+        raise typer.Exit(err.exit_code) from None
+    except KeyboardInterrupt:
+        console.print("[bold red]interrupted:[/] nothing was written; rerun the same command to resume from the cache.")
+        raise typer.Exit(INTERRUPTED_EXIT) from None
+
+
+def _layers(value: str | None) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        return [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise HfcompressError(f"--lisa-layers must be comma-separated layer numbers, got '{value}'.") from None
+
+
+@app.command(
+    epilog=(
+        "Examples:\n\n"
+        f"  hfcompress convert {BUILTIN_SOURCE} --out smollm2-lisa      # built-in model, offline\n\n"
+        "  hfcompress convert HuggingFaceTB/SmolLM2-135M --push-to me/smollm2-lisa\n\n"
+        "  hfcompress convert ./my-llama --share-ratio 0.3 --fasc-budget 0.8 --out my-llama-lisa\n\n"
+        "  hfcompress convert model.gguf --lisa-layers 10,12,14 --max-ppl-increase 5"
+    )
+)
+def convert(
+    source: str = typer.Argument(
+        BUILTIN_SOURCE, help=f"Hub id (user/model), local model directory, .gguf file, or '{BUILTIN_SOURCE}' (built in)."
+    ),
+    out: Path = typer.Option(None, "--out", "-o", help="Output directory [default: ./<source name>-lisa]."),
+    push_to: str = typer.Option(None, "--push-to", help="Hub repo to create/update with the converted model."),
+    private: bool = typer.Option(False, "--private", help="Create the pushed repo as private."),
+    revision: str = typer.Option(None, "--revision", help="Branch, tag or commit of a Hub source [default: main]."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
+    force: bool = typer.Option(False, "--force", help="Push even when the perplexity gate failed."),
+    max_ppl_increase: float = typer.Option(10.0, help="Quality gate: largest allowed perplexity increase, in percent."),
+    share_ratio: float = typer.Option(0.5, help="Fraction of layers to share (LISA), most similar first."),
+    lisa_layers: str = typer.Option(None, help="Explicit comma-separated layers to share; overrides --share-ratio."),
+    protect_first: int = typer.Option(2, help="Number of shallow layers never shared."),
+    qk_compression: float = typer.Option(6.0, help="Shared layers' Q/K parameters are at least this many times smaller."),
+    align_hidden: int = typer.Option(16, help="Width of the head-alignment FFN (0 = linear head mix only)."),
+    lisa_steps: int = typer.Option(150, help="Distillation steps per shared layer."),
+    fasc_budget: float = typer.Option(1.0, help="FASC: fraction of targeted linear parameters kept (1.0 = off)."),
+    fasc_method: str = typer.Option("fisher", help=f"FASC subspace: {', '.join(METHODS)}."),
+    fasc_targets: str = typer.Option(",".join(DEFAULT_TARGETS), help="FASC: linear layers to factorise."),
+    calib_text: Path = typer.Option(None, help="UTF-8 text for calibration [default: built-in English text]."),
+    eval_text: Path = typer.Option(None, help="UTF-8 text for perplexity [default: held-out part of the calibration text]."),
+    calib_sequences: int = typer.Option(16, help="Number of calibration sequences."),
+    seq_len: int = typer.Option(256, help="Calibration sequence length in tokens."),
+    eval_tokens: int = typer.Option(4096, help="Tokens of held-out text scored for perplexity."),
+    seed: int = typer.Option(0, help="Random seed (fitting and probes)."),
+) -> None:
+    """Convert SOURCE into a LisaLlama model, validate it, write --out and optionally push it."""
+    from .convert import ConvertOptions
+    from .convert import convert as run_convert
+
+    def action() -> None:
+        name = Path(source).stem if Path(source).suffix == ".gguf" else source.rstrip("/").split("/")[-1]
+        options = ConvertOptions(
+            source=source,
+            out=out or Path(f"{name}-lisa"),
+            push_to=push_to,
+            private=private,
+            revision=revision,
+            overwrite=overwrite,
+            force=force,
+            max_ppl_increase=max_ppl_increase,
+            calib_text=calib_text,
+            eval_text=eval_text,
+            calib_sequences=calib_sequences,
+            seq_len=seq_len,
+            eval_tokens=eval_tokens,
+            seed=seed,
+            lisa=LisaOptions(
+                share_ratio=share_ratio,
+                layers=_layers(lisa_layers),
+                protect_first=protect_first,
+                qk_compression=qk_compression,
+                align_hidden=align_hidden,
+                steps=lisa_steps,
+                seed=seed,
+            ),
+            fasc=FascOptions(
+                method=fasc_method, budget=fasc_budget, targets=tuple(t.strip() for t in fasc_targets.split(",") if t.strip())
+            ),
+        )
+        if options.fasc.method not in METHODS:
+            raise HfcompressError(f"Unknown --fasc-method '{fasc_method}': choose one of {', '.join(METHODS)}.")
+        run_convert(options, argv=sys.argv[1:])
+
+    _run(action)
+
+
+@app.command()
+def push(
+    directory: Path = typer.Argument(..., help="A directory written by `hfcompress convert`."),
+    repo_id: str = typer.Argument(..., help="Hub repo to create/update, e.g. me/model-lisa."),
+    private: bool = typer.Option(False, "--private", help="Create the repo as private."),
+) -> None:
+    """Push an already converted directory (for example after a failed push) in one commit."""
+    from .push import push_folder, require_token
+
+    def action() -> None:
+        if not (directory / "config.json").is_file() or not (directory / "hfcompress_report.json").is_file():
+            raise HfcompressError(f"{directory} is not a complete hfcompress output directory.")
+        url = push_folder(directory, repo_id, require_token(), private, "hfcompress: upload converted model")
+        typer.echo(url)
+
+    _run(action)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

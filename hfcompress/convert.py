@@ -1,0 +1,241 @@
+"""The conversion pipeline: fetch -> calibrate -> lisa -> fasc -> build -> validate -> card -> push.
+
+Configuration (`ConvertOptions`) is separate from execution (`convert`); every step's output lands in one
+report dict that is saved as `hfcompress_report.json` and rendered into the card.
+"""
+
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import __version__
+from .build import build_converted_model, parameter_counts, save_model_files, write_output_dir
+from .calibrate import cache_key, collect_attention_inputs, collect_linear_stats, load_or_compute, tensor_fingerprint
+from .card import write_card
+from .errors import HfcompressError
+from .fasc import FascOptions, compress_linears
+from .lisa import LisaOptions, fit_lisa, lowrank_rank, measure_similarity, select_layers
+from .progress import console
+from .push import push_folder, require_token
+from .source import ResolvedSource, load_source, resolve_source
+from .text import BUILTIN_TEXT_NAME, builtin_text, chunk, read_text_file, tokenize, tokenize_split
+from .validate import compare_reload, perplexity
+
+REPORT_FILE = "hfcompress_report.json"
+GATE_FAILED_EXIT = 3
+
+
+@dataclass
+class ConvertOptions:
+    source: str
+    out: Path
+    push_to: str | None = None
+    private: bool = False
+    revision: str | None = None
+    overwrite: bool = False
+    force: bool = False
+    max_ppl_increase: float = 10.0  # percent
+    calib_text: Path | None = None
+    eval_text: Path | None = None
+    calib_sequences: int = 16
+    seq_len: int = 256
+    eval_tokens: int = 4096
+    eval_context: int = 512
+    cache_dir: Path = field(default_factory=lambda: Path(os.environ.get("HFCOMPRESS_CACHE", "~/.cache/hfcompress")).expanduser())
+    seed: int = 0
+    lisa: LisaOptions = field(default_factory=LisaOptions)
+    fasc: FascOptions = field(default_factory=FascOptions)
+
+
+def _source_identity(source: ResolvedSource) -> str:
+    """Stable id of the source weights for the calibration cache key."""
+    if source.commit_sha:
+        return f"{source.repo_id}@{source.commit_sha}"
+    files = sorted(Path(source.path).glob(source.gguf_file or "*.safetensors"))
+    return ";".join(f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+
+
+def _versions() -> dict:
+    import huggingface_hub
+    import transformers
+
+    return {
+        "hfcompress": __version__,
+        "transformers": transformers.__version__,
+        "huggingface_hub": huggingface_hub.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def hardware_description() -> str:
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)} (CUDA)"
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def _step(name: str, timings: dict):
+    class _Timer:
+        def __enter__(self):
+            console.log(f"[bold cyan]{name}[/]")
+            self.start = time.perf_counter()
+
+        def __exit__(self, *exc):
+            timings[name] = round(time.perf_counter() - self.start, 2)
+
+    return _Timer()
+
+
+def convert(options: ConvertOptions, argv: list[str] | None = None) -> dict:
+    """Run the whole conversion; returns the report. Raises HfcompressError on bad input or a failed gate push."""
+    started = time.perf_counter()
+    timings: dict[str, float] = {}
+    torch.manual_seed(options.seed)
+    token = require_token() if options.push_to else None  # fail before an hour of work, not after
+    out_dir = Path(options.out).expanduser().resolve()
+    if out_dir.exists() and not options.overwrite:
+        raise HfcompressError(f"Output directory {out_dir} already exists: pass --overwrite or choose another --out.")
+
+    with _step("fetch", timings):
+        source = resolve_source(options.source, options.revision, token)
+        model, tokenizer = load_source(source)
+    num_layers = model.config.num_hidden_layers
+
+    calib_raw = read_text_file(options.calib_text) if options.calib_text else builtin_text()
+    calib_name = str(options.calib_text) if options.calib_text else BUILTIN_TEXT_NAME
+    calib_split = tokenize_split(tokenizer, calib_raw, calib_name)
+    if options.eval_text:
+        eval_ids, eval_name = tokenize(tokenizer, read_text_file(options.eval_text)), str(options.eval_text)
+    else:
+        eval_ids, eval_name = calib_split.held_out, f"{calib_name}, held-out last 25%"
+    sequences = chunk(calib_split.calibration, options.seq_len, options.calib_sequences)
+    cache = options.cache_dir / cache_key(_source_identity(source), tensor_fingerprint(sequences))
+
+    with _step("calibrate", timings):
+        attn_inputs = load_or_compute(cache / "attention_inputs.pt", lambda: collect_attention_inputs(model, sequences))
+        similarity = load_or_compute(cache / "similarity.pt", lambda: measure_similarity(model, attn_inputs))
+        fasc_targets = [f"{i}.{t}" for i in range(num_layers) for t in options.fasc.targets]
+        fasc_stats = None
+        if options.fasc.budget < 1.0:
+            stats_key = cache_key(sorted(fasc_targets))
+            fasc_stats = load_or_compute(
+                cache / f"linear_stats-{stats_key}.pt",
+                lambda: collect_linear_stats(model, sequences, fasc_targets, seed=options.seed),
+            )
+
+    with _step("lisa", timings):
+        chosen = select_layers(similarity, num_layers, options.lisa)
+        lisa_key = cache_key(chosen, asdict(options.lisa))
+        fitted = load_or_compute(
+            cache / f"lisa-{lisa_key}.pt", lambda: fit_lisa(model, attn_inputs, chosen, similarity, options.lisa)
+        )
+        del attn_inputs
+
+    with _step("fasc", timings):
+        fasc_factors, fasc_results = {}, []
+        if fasc_stats is not None:
+            linears = {name: model.model.layers.get_submodule(name) for name in fasc_targets}
+            fasc_factors, fasc_results = compress_linears(linears, fasc_stats, options.fasc)
+
+    with _step("build", timings):
+        converted = build_converted_model(model, fitted, fasc_factors)
+
+    with _step("validate: perplexity", timings):
+        ppl_original = perplexity(model, eval_ids, options.eval_context, max_tokens=options.eval_tokens, label="perplexity: original")
+        ppl_converted = perplexity(converted, eval_ids, options.eval_context, max_tokens=options.eval_tokens, label="perplexity: converted")
+    increase = 100.0 * (ppl_converted.perplexity / ppl_original.perplexity - 1.0)
+    gate_passed = increase <= options.max_ppl_increase
+    gate_message = (
+        f"perplexity {ppl_original.perplexity:.3f} -> {ppl_converted.perplexity:.3f} ({increase:+.2f}%), "
+        f"limit +{options.max_ppl_increase:g}%"
+    )
+
+    params_original, params_converted = parameter_counts(model), parameter_counts(converted)
+    rank = lowrank_rank(model.config, options.lisa.qk_compression) if fitted else None
+    dense_qk = params_original["attention_qk"] // num_layers
+    shared_qk = [
+        sum(v.numel() for k, v in f.state.items() if any(t in k for t in ("q_lowrank", "k_lowrank", "align")))
+        for f in fitted
+    ]
+    report = {
+        "versions": _versions(),
+        "command": shlex.join(["hfcompress", *(argv if argv is not None else sys.argv[1:])]),
+        "source": source.to_dict(),
+        "num_layers": num_layers,
+        "hardware": hardware_description(),
+        "calibration": {
+            "text": calib_name,
+            "sequences": int(sequences.shape[0]),
+            "seq_len": int(sequences.shape[1]),
+            "cache_dir": str(cache),
+        },
+        "lisa": {
+            "layers": chosen,
+            "rank": rank,
+            "options": asdict(options.lisa),
+            "similarity": [s.to_dict() for s in similarity],
+            "fitted": [{k: v for k, v in asdict(f).items() if k != "state"} for f in fitted],
+            "qk_compression_measured": (dense_qk / max(shared_qk)) if shared_qk else None,
+        },
+        "fasc": {
+            "method": options.fasc.method,
+            "budget": options.fasc.budget,
+            "targets": list(options.fasc.targets),
+            "layers": [r.to_dict() for r in fasc_results],
+        },
+        "parameters": {"original": params_original, "converted": params_converted},
+        "validation": {
+            "eval_text": eval_name,
+            "original": ppl_original.to_dict(),
+            "converted": ppl_converted.to_dict(),
+            "perplexity_increase_pct": increase,
+            "max_ppl_increase_pct": options.max_ppl_increase,
+            "gate_passed": gate_passed,
+            "gate_message": gate_message,
+        },
+        "timings": timings,
+    }
+    repo_id = options.push_to or f"{out_dir.name}"
+    probe_ids = eval_ids[: min(64, len(eval_ids))].unsqueeze(0)
+
+    def write(directory: Path) -> None:
+        save_model_files(converted, tokenizer, getattr(model, "generation_config", None), directory)
+        with _step("validate: fresh-process reload", timings):
+            report["validation"]["reload"] = compare_reload(converted, directory, probe_ids)
+        if report["validation"]["reload"]["max_abs_logit_diff"] > 1e-4:
+            raise HfcompressError(
+                f"The written model reloads with different logits "
+                f"(max diff {report['validation']['reload']['max_abs_logit_diff']:.2e}); nothing was written."
+            )
+        report["wall_seconds"] = round(time.perf_counter() - started, 1)
+        write_card(report, repo_id, directory)
+        (directory / REPORT_FILE).write_text(json.dumps(report, indent=2, default=str))
+
+    with _step("write", timings):
+        out_dir = write_output_dir(out_dir, options.overwrite, write)
+    console.log(f"wrote {out_dir}: {gate_message}")
+
+    if options.push_to:
+        if not gate_passed and not options.force:
+            raise HfcompressError(
+                f"Not pushing to {options.push_to}: the quality gate failed ({gate_message}); the model is in "
+                f"{out_dir}. Raise --max-ppl-increase or pass --force to push anyway.",
+                exit_code=GATE_FAILED_EXIT,
+            )
+        with _step("push", timings):
+            url = push_folder(out_dir, options.push_to, token, options.private, f"hfcompress: {gate_message}")
+        report["push"] = {"repo_id": options.push_to, "commit_url": url}
+        console.log(f"pushed {options.push_to}: {url}")
+    elif not gate_passed:
+        raise HfcompressError(
+            f"The quality gate failed ({gate_message}); the model was written to {out_dir} but is marked as failed.",
+            exit_code=GATE_FAILED_EXIT,
+        )
+    return report

@@ -1,0 +1,177 @@
+"""Step 4, fasc: Fisher-aligned low-rank factorisation of linear layers, rho diagnostics, one global rank budget.
+
+For y = W x (W: m x n) with C = E[x x^T] and G = E[g g^T] (g = d loss / d y), the K-FAC surrogate of the loss
+change is E[d loss^2] ~ tr(dW^T G dW C) = ||G^1/2 dW C^1/2||_F^2. With G^1/2 W C^1/2 = U S V^T, the best rank-k
+W is G^-1/2 U_k S_k V_k^T C^-1/2 and its surrogate loss is sum_{i>k} s_i^2. The layer becomes y = A (B x),
+A = G^-1/2 U_k S_k (m x k), B = V_k^T C^-1/2 (k x n). Methods:
+  fisher  both C and G (default);   whiten  G = I (activation-whitened SVD, SVD-LLM);
+  svd     C = G = I (plain SVD);    pca     B = top-k eigenvectors of C (keep the high-variance inputs), A = W B^T.
+
+rho, the dependence-violation score of a layer: K-FAC assumes E[x x^T (x) g g^T] = C (x) G (activations and
+gradients independent). With random unit probes u, v we measure
+  rho = mean_p | E[(u_p^T x)^2 (v_p^T g)^2] / (E[(u_p^T x)^2] E[(v_p^T g)^2]) - 1 |,
+0 when the factorisation is exact; large values mean the Fisher subspace is less trustworthy for that layer.
+"""
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .calibrate import LinearStats
+from .errors import HfcompressError
+
+METHODS = ("fisher", "whiten", "svd", "pca")
+DEFAULT_TARGETS = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "self_attn.o_proj", "self_attn.v_proj")
+DAMPING = 0.01  # fraction of the mean diagonal added to C and G before square roots / inverses
+
+
+@dataclass
+class FascOptions:
+    method: str = "fisher"
+    budget: float = 1.0  # fraction of targeted parameters kept; 1.0 = FASC off
+    targets: tuple[str, ...] = DEFAULT_TARGETS
+    rho_keep_threshold: float | None = None  # layers with rho above this stay dense
+
+
+def dependence_violation(stats: LinearStats) -> float:
+    n = stats.tokens
+    ratio = (stats.probe_ab / n) / ((stats.probe_a / n) * (stats.probe_b / n)).clamp_min(1e-300)
+    return (ratio - 1).abs().mean().item()
+
+
+def _sqrt_and_inverse(cov: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    cov = cov + DAMPING * cov.diagonal().mean() * torch.eye(len(cov), dtype=cov.dtype)
+    eigval, eigvec = torch.linalg.eigh(cov)
+    eigval = eigval.clamp_min(eigval.max() * 1e-12)
+    return (eigvec * eigval.sqrt()) @ eigvec.T, (eigvec * eigval.rsqrt()) @ eigvec.T
+
+
+@dataclass
+class Decomposition:
+    """Full-rank factorisation of one layer, truncated later to the allocated rank."""
+
+    left: torch.Tensor  # m x r_max: column i is A's i-th column (already scaled by s_i)
+    right: torch.Tensor  # r_max x n: row i is B's i-th row
+    spectrum: torch.Tensor  # surrogate loss weight of each component, descending
+
+    def factors(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.left[:, :rank].contiguous(), self.right[:rank].contiguous()
+
+
+def decompose(weight: torch.Tensor, stats: LinearStats, method: str) -> Decomposition:
+    """Ordered components of W for `method`; float64 throughout."""
+    if method not in METHODS:
+        raise HfcompressError(f"Unknown --fasc-method '{method}': choose one of {', '.join(METHODS)}.")
+    w = weight.double()
+    c, g = stats.covariances()
+    if method == "pca":
+        eigval, eigvec = torch.linalg.eigh(c)
+        order = eigval.argsort(descending=True)
+        basis = eigvec[:, order]  # n x n, columns by variance
+        left = w @ basis
+        # surrogate weight of dropping direction i: its variance times how much W uses it
+        spectrum = eigval[order].clamp_min(0) * left.pow(2).sum(0)
+        return Decomposition(left=left, right=basis.T, spectrum=spectrum)
+    eye_m, eye_n = torch.eye(w.shape[0], dtype=w.dtype), torch.eye(w.shape[1], dtype=w.dtype)
+    c_sqrt, c_isqrt = _sqrt_and_inverse(c) if method in ("fisher", "whiten") else (eye_n, eye_n)
+    g_sqrt, g_isqrt = _sqrt_and_inverse(g) if method == "fisher" else (eye_m, eye_m)
+    u, s, vh = torch.linalg.svd(g_sqrt @ w @ c_sqrt, full_matrices=False)
+    return Decomposition(left=g_isqrt @ (u * s), right=vh @ c_isqrt, spectrum=s.pow(2))
+
+
+def allocate_ranks(
+    decompositions: dict[str, Decomposition], shapes: dict[str, tuple[int, int]], budget: float
+) -> dict[str, int | None]:
+    """Ranks that keep <= budget of the targeted parameters and minimise the summed surrogate loss.
+
+    Lagrangian water-filling: for a price lambda per parameter every layer independently picks dense (cost m*n,
+    loss 0) or the rank k minimising tail_loss(k) + lambda * k * (m + n); lambda is bisected to meet the budget.
+    None means the layer stays dense.
+    """
+    if not 0.0 < budget <= 1.0:
+        raise HfcompressError(f"--fasc-budget must be in (0, 1], got {budget}.")
+    total = sum(m * n for m, n in shapes.values())
+    if budget >= 1.0:
+        return {name: None for name in shapes}
+    tails = {}
+    for name, dec in decompositions.items():
+        spectrum = dec.spectrum.double()
+        tails[name] = spectrum.sum() - torch.cat([spectrum.new_zeros(1), spectrum.cumsum(0)])  # tail[k]
+
+    def choose(price: float) -> tuple[dict[str, int | None], int]:
+        ranks, cost = {}, 0
+        for name, (m, n) in shapes.items():
+            tail = tails[name]
+            ks = torch.arange(len(tail), dtype=torch.float64)
+            objective = tail + price * ks * (m + n)
+            k = int(objective.argmin())
+            if k * (m + n) >= m * n or price * m * n < objective[k]:
+                ranks[name], cost = None, cost + m * n
+            else:
+                ranks[name], cost = max(k, 1), cost + max(k, 1) * (m + n)
+        return ranks, cost
+
+    low, high = 0.0, 1.0
+    while choose(high)[1] > budget * total:
+        high *= 4
+        if high > 1e30:
+            raise HfcompressError(f"--fasc-budget {budget} cannot be met even at rank 1 everywhere.")
+    for _ in range(100):
+        mid = (low + high) / 2
+        if choose(mid)[1] > budget * total:
+            low = mid
+        else:
+            high = mid
+    return choose(high)[0]
+
+
+@dataclass
+class FascLayerResult:
+    name: str
+    shape: tuple[int, int]
+    rank: int | None
+    rho: float
+    surrogate_loss: float  # sum of dropped spectrum
+    spectrum_head: list[float]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def compress_linears(
+    linears: dict[str, torch.nn.Linear], stats: dict[str, LinearStats], options: FascOptions
+) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], list[FascLayerResult]]:
+    """Factor every targeted linear under one budget: ({name: (A, B)} for compressed layers, per-layer results)."""
+    rhos = {name: dependence_violation(stats[name]) for name in linears}
+    trusted = {
+        name
+        for name in linears
+        if options.rho_keep_threshold is None or rhos[name] <= options.rho_keep_threshold
+    }
+    decompositions = {name: decompose(linears[name].weight, stats[name], options.method) for name in trusted}
+    shapes = {name: tuple(linears[name].weight.shape) for name in trusted}
+    untrusted_params = sum(lin.weight.numel() for name, lin in linears.items() if name not in trusted)
+    total = sum(lin.weight.numel() for lin in linears.values())
+    # the dense untrusted layers spend part of the budget
+    trusted_budget = (options.budget * total - untrusted_params) / max(1, total - untrusted_params)
+    if trusted_budget <= 0:
+        raise HfcompressError("--fasc-budget is smaller than the layers kept dense by the rho threshold.")
+    ranks = allocate_ranks(decompositions, shapes, min(1.0, trusted_budget)) if decompositions else {}
+    factors, results = {}, []
+    for name, linear in linears.items():
+        rank = ranks.get(name)
+        dec = decompositions.get(name)
+        if rank is not None:
+            a, b = dec.factors(rank)
+            factors[name] = (a.to(linear.weight.dtype), b.to(linear.weight.dtype))
+        results.append(
+            FascLayerResult(
+                name=name,
+                shape=tuple(linear.weight.shape),
+                rank=rank,
+                rho=rhos[name],
+                surrogate_loss=float(dec.spectrum[rank:].sum()) if rank is not None else 0.0,
+                spectrum_head=[float(v) for v in dec.spectrum[:8]] if dec is not None else [],
+            )
+        )
+    return factors, results

@@ -1,0 +1,290 @@
+"""Step 3, lisa: measure cross-layer attention similarity, choose the shared layers, fit their modules.
+
+For layer l and the previous layer l-1, on calibration sequences:
+- JS divergence between the attention rows of every head pair (h of l, g of l-1) -> an H x H matrix; the
+  "same head" score is its diagonal, the "best match" score is its row minimum (the matching pi(h)).
+- A shared layer gets Align (initialised to mix[h, pi(h)] = least-squares scale of S_{l-1}[pi(h)] onto S_l[h])
+  and low-rank Q/K, trained by distillation: the layer's attention output (after o_proj) must match the
+  original layer's on the same input, with the anchor scores coming from the already converted layers below
+  (so errors of a chain of shared layers are seen while fitting).
+"""
+
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from .errors import HfcompressError
+from .progress import progress_bar
+from .remote import import_remote
+
+
+@dataclass
+class LisaOptions:
+    share_ratio: float = 0.5
+    layers: list[int] | None = None  # explicit choice overrides share_ratio
+    protect_first: int = 2  # shallow layers are never shared
+    qk_compression: float = 6.0  # shared Q/K parameters >= this many times smaller than W_Q + W_K
+    align_hidden: int = 16  # FFN width across heads; 0 = linear head mix only
+    steps: int = 150
+    batch_size: int = 4
+    lr: float = 3e-3
+    seed: int = 0
+
+
+@dataclass
+class LayerSimilarity:
+    layer: int
+    js_same_head: float
+    js_best_match: float
+    matching: list[int]  # matching[h] = head of layer-1 that head h resembles most
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def rotary(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    positions = torch.arange(x.shape[1]).unsqueeze(0)
+    return model.model.rotary_emb(x, position_ids=positions)
+
+
+def causal_mask(seq_len: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    allowed = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+    return torch.zeros(1, 1, seq_len, seq_len, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def full_attention_scores(attn: nn.Module, x: torch.Tensor, cos_sin) -> torch.Tensor:
+    """Pre-softmax scores (B, H, T, T) of an ordinary Llama attention module, GQA expanded."""
+    modeling = import_remote("modeling_lisa_llama")
+    shape = (*x.shape[:-1], -1, attn.head_dim)
+    q = attn.q_proj(x).view(shape).transpose(1, 2)
+    k = attn.k_proj(x).view(shape).transpose(1, 2)
+    q, k = modeling.apply_rotary_pos_emb(q, k, *cos_sin)
+    k = modeling.repeat_kv(k, attn.num_key_value_groups)
+    return torch.matmul(q, k.transpose(2, 3)) * attn.scaling
+
+
+def attention_output(attn: nn.Module, x: torch.Tensor, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """o_proj(softmax(scores + mask) V) for the module's own V and O projections."""
+    modeling = import_remote("modeling_lisa_llama")
+    value = attn.v_proj(x).view(*x.shape[:-1], -1, attn.head_dim).transpose(1, 2)
+    out = modeling.softmax_attention(scores, mask, value, attn.num_key_value_groups)
+    return attn.o_proj(out.reshape(*x.shape[:-1], -1))
+
+
+def js_matrix(p_cur: torch.Tensor, p_prev: torch.Tensor) -> torch.Tensor:
+    """Mean Jensen-Shannon divergence (nats) between attention rows of every head pair: (H_cur, H_prev)."""
+    eps = 1e-12
+    heads = p_cur.shape[1]
+    out = torch.empty(heads, p_prev.shape[1])
+    for h in range(heads):
+        p = p_cur[:, h : h + 1]
+        m = 0.5 * (p + p_prev)
+        log_m = (m + eps).log()
+        kl_p = (p * ((p + eps).log() - log_m)).sum(-1)
+        kl_q = (p_prev * ((p_prev + eps).log() - log_m)).sum(-1)
+        out[h] = (0.5 * (kl_p + kl_q)).mean(dim=(0, 2))
+    return out
+
+
+@torch.no_grad()
+def measure_similarity(model: nn.Module, attn_inputs: list[torch.Tensor], max_sequences: int = 8) -> list[LayerSimilarity]:
+    """Attention similarity of every layer to the previous one on calibration inputs."""
+    layers = model.model.layers
+    seq_len = attn_inputs[0].shape[1]
+    mask = causal_mask(seq_len)
+    cos_sin = rotary(model, attn_inputs[0][:1])
+    prev_probs = None
+    result = []
+    for idx in progress_bar(range(len(layers)), "analyze: attention similarity"):
+        scores = full_attention_scores(layers[idx].self_attn, attn_inputs[idx][:max_sequences], cos_sin)
+        probs = torch.softmax(scores + mask, dim=-1)
+        if prev_probs is not None:
+            js = js_matrix(probs, prev_probs)
+            result.append(
+                LayerSimilarity(
+                    layer=idx,
+                    js_same_head=js.diagonal().mean().item(),
+                    js_best_match=js.min(dim=1).values.mean().item(),
+                    matching=js.argmin(dim=1).tolist(),
+                )
+            )
+        prev_probs = probs
+    return result
+
+
+def select_layers(similarity: list[LayerSimilarity], num_layers: int, options: LisaOptions) -> list[int]:
+    """Explicit layers, or the share_ratio * L most similar layers outside the protected shallow ones."""
+    if options.layers is not None:
+        bad = [l for l in options.layers if not 0 < l < num_layers]
+        if bad:
+            raise HfcompressError(f"--lisa-layers {bad} are out of range: layers 1..{num_layers - 1} can be shared.")
+        return sorted(set(options.layers))
+    if not 0.0 <= options.share_ratio < 1.0:
+        raise HfcompressError(f"--share-ratio must be in [0, 1), got {options.share_ratio}.")
+    count = round(options.share_ratio * num_layers)
+    candidates = [s for s in similarity if s.layer >= max(1, options.protect_first)]
+    if count > len(candidates):
+        raise HfcompressError(
+            f"--share-ratio {options.share_ratio} asks for {count} shared layers but only {len(candidates)} "
+            f"are outside the {options.protect_first} protected shallow layers."
+        )
+    return sorted(s.layer for s in sorted(candidates, key=lambda s: s.js_best_match)[:count])
+
+
+def lowrank_rank(config, qk_compression: float) -> int:
+    """Largest even per-head rank r whose low-rank Q/K (2 * d * H * r) is >= qk_compression x smaller than W_Q+W_K."""
+    dense = config.hidden_size * config.head_dim * (config.num_attention_heads + config.num_key_value_heads)
+    rank = int(dense / qk_compression / (2 * config.hidden_size * config.num_attention_heads))
+    rank -= rank % 2
+    if rank < 2:
+        raise HfcompressError(f"--qk-compression {qk_compression} leaves no room for a rank-2 low-rank Q/K.")
+    return rank
+
+
+@dataclass
+class FittedLayer:
+    layer: int
+    rank: int
+    align_hidden: int
+    state: dict  # LisaSharedAttention state dict
+    loss_initial: float
+    loss_final: float
+    seconds: float
+
+
+def _init_alignment(module: nn.Module, cur_scores: torch.Tensor, prev_scores: torch.Tensor, matching: list[int]) -> None:
+    """mix[h, pi(h)] = least-squares scale of the matched previous head's logits onto this head's logits."""
+    seq_len = cur_scores.shape[-1]
+    keep = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+    mix = torch.zeros_like(module.align.mix)
+    for h, g in enumerate(matching):
+        s, p = cur_scores[:, h][:, keep], prev_scores[:, g][:, keep]
+        mix[h, g] = (s * p).sum() / (p * p).sum().clamp_min(1e-12)
+    module.align.mix.data.copy_(mix)
+
+
+def fit_shared_layer(
+    model: nn.Module,
+    layer_idx: int,
+    x: torch.Tensor,
+    prev_scores: torch.Tensor,
+    matching: list[int],
+    rank: int,
+    options: LisaOptions,
+) -> tuple[nn.Module, FittedLayer]:
+    """Train Align + low-rank Q/K of one shared layer; returns the module and its fit record."""
+    start = time.perf_counter()
+    modeling = import_remote("modeling_lisa_llama")
+    config = model.config
+    original = model.model.layers[layer_idx].self_attn
+    module = modeling.LisaSharedAttention(model.config, layer_idx, rank, options.align_hidden)
+    module.v_proj.load_state_dict(original.v_proj.state_dict())
+    module.o_proj.load_state_dict(original.o_proj.state_dict())
+    module.v_proj.requires_grad_(False)
+    module.o_proj.requires_grad_(False)
+    generator = torch.Generator().manual_seed(options.seed * 1000 + layer_idx)
+    with torch.no_grad():
+        for lin in (module.q_lowrank, module.k_lowrank):
+            lin.weight.copy_(torch.randn(lin.weight.shape, generator=generator) * 0.3 / math.sqrt(config.hidden_size))
+        if module.align.ffn_in is not None:
+            w = module.align.ffn_in.weight
+            w.copy_(torch.randn(w.shape, generator=generator) / math.sqrt(w.shape[1]))
+            module.align.ffn_in.bias.zero_()
+            module.align.ffn_out.weight.zero_()
+        module.align.bias.zero_()
+
+    seq_len = x.shape[1]
+    mask = causal_mask(seq_len)
+    cos_sin = rotary(model, x[:1])
+    positions = torch.arange(seq_len).unsqueeze(0)
+    with torch.no_grad():
+        target = torch.cat(
+            [
+                attention_output(original, xb, full_attention_scores(original, xb, cos_sin), mask)
+                for xb in x.split(options.batch_size)
+            ]
+        )
+        sample = slice(0, min(len(x), 8))
+        _init_alignment(module, full_attention_scores(original, x[sample], cos_sin), prev_scores[sample], matching)
+    target_power = target.pow(2).mean(dim=(1, 2)).mean()
+
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(trainable, lr=options.lr)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, options.steps))
+
+    def loss_on(idx: torch.Tensor) -> torch.Tensor:
+        out, _ = module(x[idx], positions.expand(len(idx), -1), mask, prev_scores[idx])
+        return (out - target[idx]).pow(2).mean() / target_power
+
+    with torch.no_grad():
+        everything = torch.arange(min(len(x), 4 * options.batch_size))
+        loss_initial = loss_on(everything).item()
+    for _ in range(options.steps):
+        idx = torch.randint(len(x), (options.batch_size,), generator=generator)
+        loss = loss_on(idx)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+    with torch.no_grad():
+        loss_final = loss_on(everything).item()
+    module.requires_grad_(False).eval()
+    record = FittedLayer(
+        layer=layer_idx,
+        rank=rank,
+        align_hidden=options.align_hidden,
+        state={k: v.detach().clone() for k, v in module.state_dict().items()},
+        loss_initial=loss_initial,
+        loss_final=loss_final,
+        seconds=time.perf_counter() - start,
+    )
+    return module, record
+
+
+@torch.no_grad()
+def _scores_of(module: nn.Module, x: torch.Tensor, prev_scores: torch.Tensor | None, cos_sin, batch_size: int):
+    """Pre-softmax scores of a (converted) layer for all calibration sequences."""
+    if prev_scores is None:
+        return torch.cat([full_attention_scores(module, x[i : i + batch_size], cos_sin) for i in range(0, len(x), batch_size)])
+    positions = torch.arange(x.shape[1]).unsqueeze(0)
+    parts = []
+    for i in range(0, len(x), batch_size):
+        xb = x[i : i + batch_size]
+        q_lr, k_lr = module.lowrank_qk(xb, positions.expand(len(xb), -1))
+        parts.append(module.align(prev_scores[i : i + batch_size]) + torch.matmul(q_lr, k_lr.transpose(2, 3)) * module.rank**-0.5)
+    return torch.cat(parts)
+
+
+def fit_lisa(
+    model: nn.Module,
+    attn_inputs: list[torch.Tensor],
+    chosen: list[int],
+    similarity: list[LayerSimilarity],
+    options: LisaOptions,
+) -> list[FittedLayer]:
+    """Fit every chosen layer in depth order, anchoring each on the converted layers below it."""
+    if not chosen:
+        return []
+    rank = lowrank_rank(model.config, options.qk_compression)
+    matching = {s.layer: s.matching for s in similarity}
+    layers = model.model.layers
+    cos_sin = rotary(model, attn_inputs[0][:1])
+    fitted: list[FittedLayer] = []
+    converted: dict[int, nn.Module] = {}
+    prev_scores = None
+    for idx in progress_bar(range(chosen[-1] + 1), "lisa: fit shared layers"):
+        if idx in chosen:
+            module, record = fit_shared_layer(
+                model, idx, attn_inputs[idx], prev_scores, matching[idx], rank, options
+            )
+            converted[idx] = module
+            fitted.append(record)
+        if idx + 1 in chosen:  # the next layer anchors on this one's (converted) scores
+            module = converted.get(idx, layers[idx].self_attn)
+            prev_scores = _scores_of(module, attn_inputs[idx], prev_scores if idx in converted else None, cos_sin, options.batch_size)
+        else:
+            prev_scores = None
+    return fitted

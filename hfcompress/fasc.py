@@ -82,47 +82,45 @@ def decompose(weight: torch.Tensor, stats: LinearStats, method: str) -> Decompos
 def allocate_ranks(
     decompositions: dict[str, Decomposition], shapes: dict[str, tuple[int, int]], budget: float
 ) -> dict[str, int | None]:
-    """Ranks that keep <= budget of the targeted parameters and minimise the summed surrogate loss.
+    """Ranks that keep <= budget of the targeted parameters, spending parameters where the surrogate loss drops most.
 
-    Lagrangian water-filling: for a price lambda per parameter every layer independently picks dense (cost m*n,
-    loss 0) or the rank k minimising tail_loss(k) + lambda * k * (m + n); lambda is bisected to meet the budget.
-    None means the layer stays dense.
+    Greedy water-filling: all layers start at rank 0; the next component taken anywhere is the one with the
+    largest loss reduction per parameter (sigma_i^2 / (m + n)), until the budget is spent. A layer whose rank
+    reaches the break-even point k (m + n) >= m n stays dense. None means dense.
     """
     if not 0.0 < budget <= 1.0:
         raise HfcompressError(f"--fasc-budget must be in (0, 1], got {budget}.")
-    total = sum(m * n for m, n in shapes.values())
     if budget >= 1.0:
         return {name: None for name in shapes}
-    tails = {}
+    allowed = budget * sum(m * n for m, n in shapes.values())
+    candidates = []
     for name, dec in decompositions.items():
-        spectrum = dec.spectrum.double()
-        tails[name] = spectrum.sum() - torch.cat([spectrum.new_zeros(1), spectrum.cumsum(0)])  # tail[k]
-
-    def choose(price: float) -> tuple[dict[str, int | None], int]:
-        ranks, cost = {}, 0
-        for name, (m, n) in shapes.items():
-            tail = tails[name]
-            ks = torch.arange(len(tail), dtype=torch.float64)
-            objective = tail + price * ks * (m + n)
-            k = int(objective.argmin())
-            if k * (m + n) >= m * n or price * m * n < objective[k]:
-                ranks[name], cost = None, cost + m * n
-            else:
-                ranks[name], cost = max(k, 1), cost + max(k, 1) * (m + n)
-        return ranks, cost
-
-    low, high = 0.0, 1.0
-    while choose(high)[1] > budget * total:
-        high *= 4
-        if high > 1e30:
-            raise HfcompressError(f"--fasc-budget {budget} cannot be met even at rank 1 everywhere.")
-    for _ in range(100):
-        mid = (low + high) / 2
-        if choose(mid)[1] > budget * total:
-            low = mid
-        else:
-            high = mid
-    return choose(high)[0]
+        m, n = shapes[name]
+        # cummin keeps each layer's components in order even when its spectrum is not sorted (pca)
+        gains = (dec.spectrum.double() / (m + n)).cummin(0).values
+        candidates += [(gain, name) for gain in gains.tolist()]
+    candidates.sort(key=lambda item: -item[0])
+    ranks = {name: 1 for name in shapes}  # every compressed layer keeps at least one component
+    dense: set[str] = set()
+    cost = sum(m + n for m, n in shapes.values())
+    if cost > allowed:
+        raise HfcompressError(f"--fasc-budget {budget} cannot be met even at rank 1 everywhere.")
+    seen = {name: 0 for name in shapes}
+    for _, name in candidates:
+        seen[name] += 1
+        if name in dense or seen[name] <= 1:
+            continue
+        m, n = shapes[name]
+        if (ranks[name] + 1) * (m + n) >= m * n:  # break-even: the dense weight is no larger
+            extra = m * n - ranks[name] * (m + n)
+            if cost + extra <= allowed:
+                dense.add(name)
+                cost += extra
+            continue
+        if cost + m + n <= allowed:
+            ranks[name] += 1
+            cost += m + n
+    return {name: (None if name in dense else rank) for name, rank in ranks.items()}
 
 
 @dataclass

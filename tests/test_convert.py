@@ -1,0 +1,155 @@
+"""`hfcompress convert` end to end on a tiny random Llama, through a real local Hub server."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from hfcompress.cli import app
+from tests.conftest import HUB_USER
+
+FAST = [
+    "--calib-sequences", "6", "--seq-len", "64", "--eval-tokens", "512", "--lisa-steps", "10",
+    "--protect-first", "1", "--fasc-budget", "0.8",
+]
+runner = CliRunner()
+
+LOAD_AND_SCORE = r"""
+import sys, torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True, dtype=torch.float32).eval()
+ids = torch.arange(3, 40).unsqueeze(0)
+with torch.no_grad():
+    torch.save(model(ids).logits, sys.argv[2])
+print(type(model).__name__)
+"""
+
+
+def load_and_score(name_or_dir: str, out: Path, env: dict) -> torch.Tensor:
+    proc = subprocess.run([sys.executable, "-c", LOAD_AND_SCORE, name_or_dir, str(out)], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "LisaLlamaForCausalLM"
+    return torch.load(out)
+
+
+def no_partial_dirs(parent: Path) -> bool:
+    return not [p for p in parent.iterdir() if ".partial-" in p.name]
+
+
+def test_hub_round_trip(tiny_llama_dir, hub_api, hub_env, local_hub, tmp_path):
+    source_repo, target_repo = f"{HUB_USER}/tiny", f"{HUB_USER}/tiny-lisa"
+    hub_api.create_repo(source_repo)
+    source_commit = hub_api.upload_folder(folder_path=str(tiny_llama_dir), repo_id=source_repo).oid
+    out = tmp_path / "out"
+    env = {**hub_env, "HFCOMPRESS_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "hfcompress.cli", "convert", source_repo, "--out", str(out), "--push-to", target_repo,
+         "--max-ppl-increase", "1000", *FAST],
+        env=env, capture_output=True, text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    report = json.loads((out / "hfcompress_report.json").read_text())
+    assert report["source"]["commit_sha"] == source_commit
+    assert report["lisa"]["layers"] and report["validation"]["gate_passed"]
+    assert report["validation"]["reload"]["max_abs_logit_diff"] <= 1e-4
+    assert any(layer["rank"] for layer in report["fasc"]["layers"])
+    assert "hf_dummy_test_token" not in (out / "hfcompress_report.json").read_text()
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "lisa_llama" and config["auto_map"]["AutoModelForCausalLM"]
+    card = (out / "README.md").read_text()
+    for needle in ("hfcompress", "custom_code", "model-index", "perplexity", "trust_remote_code=True", target_repo):
+        assert needle in card
+
+    remote_files = set(local_hub.files(target_repo, "main"))
+    assert {"config.json", "model.safetensors", "modeling_lisa_llama.py", "README.md", "tokenizer.json"} <= remote_files
+    pushed = [c for c in local_hub.commits(target_repo) if "hfcompress" in str(c)]
+    assert len(pushed) == 1  # one upload commit
+
+    fresh_env = {**env, "HF_HOME": str(tmp_path / "fresh_home")}
+    from_hub = load_and_score(target_repo, tmp_path / "hub.pt", fresh_env)
+    from_dir = load_and_score(str(out), tmp_path / "dir.pt", fresh_env)
+    assert (from_hub - from_dir).abs().max() <= 1e-5
+
+
+def test_gate_failure_writes_marked_output_and_never_pushes(tiny_llama_dir, hub_env, local_hub, tmp_path):
+    out = tmp_path / "out"
+    env = {**hub_env, "HFCOMPRESS_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "hfcompress.cli", "convert", str(tiny_llama_dir), "--out", str(out),
+         "--push-to", f"{HUB_USER}/never", "--max-ppl-increase", "-100", *FAST],
+        env=env, capture_output=True, text=True,
+    )
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "Not pushing" in proc.stderr and "--force" in proc.stderr
+    assert f"{HUB_USER}/never" not in local_hub.repo_ids()
+    assert json.loads((out / "hfcompress_report.json").read_text())["validation"]["gate_passed"] is False
+    assert "failed the hfcompress quality gate" in (out / "README.md").read_text()
+
+
+def run_cli(*args: str):
+    return runner.invoke(app, ["convert", *args])
+
+
+def test_unknown_repo(hub_inprocess, tmp_path):
+    result = run_cli(f"{HUB_USER}/does-not-exist", "--out", str(tmp_path / "o"))
+    assert result.exit_code == 2
+    assert "was not found" in result.output
+    assert not (tmp_path / "o").exists() and no_partial_dirs(tmp_path)
+
+
+def test_unknown_path(tmp_path):
+    result = run_cli("./no/such/model", "--out", str(tmp_path / "o"))
+    assert result.exit_code == 2 and "neither an existing path nor a Hub id" in result.output
+
+
+def test_non_llama_architecture(tiny_llama_dir, tmp_path):
+    config = json.loads((tiny_llama_dir / "config.json").read_text())
+    config.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    (tiny_llama_dir / "config.json").write_text(json.dumps(config))
+    result = run_cli(str(tiny_llama_dir), "--out", str(tmp_path / "o"))
+    assert result.exit_code == 2
+    assert "'gpt2'" in result.output and "supports only: llama (LlamaForCausalLM)" in result.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_push_without_token_fails_before_work(tiny_llama_dir, tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    monkeypatch.setattr(c, "HF_STORED_TOKENS_PATH", str(tmp_path / "no-stored-tokens"))
+    result = run_cli(str(tiny_llama_dir), "--out", str(tmp_path / "o"), "--push-to", "me/x")
+    assert result.exit_code == 2 and "needs a Hub token" in result.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_existing_output_dir_refused(tiny_llama_dir, tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    result = run_cli(str(tiny_llama_dir), "--out", str(out))
+    assert result.exit_code == 2 and "already exists" in result.output and "--overwrite" in result.output
+    assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_bad_fasc_method(tiny_llama_dir, tmp_path):
+    result = run_cli(str(tiny_llama_dir), "--out", str(tmp_path / "o"), "--fasc-method", "magic")
+    assert result.exit_code == 2 and "fisher, whiten, svd, pca" in result.output
+
+
+def test_interrupted_write_leaves_nothing(tmp_path):
+    from hfcompress.build import write_output_dir
+
+    def crash(directory: Path) -> None:
+        (directory / "model.safetensors").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_output_dir(tmp_path / "o", overwrite=False, write=crash)
+    assert not (tmp_path / "o").exists() and no_partial_dirs(tmp_path)

@@ -1,0 +1,97 @@
+"""FASC factorisation, rank allocation and rho on synthetic statistics with known answers."""
+
+import torch
+
+from hfcompress.calibrate import collect_linear_stats
+from hfcompress.fasc import FascOptions, allocate_ranks, compress_linears, decompose, dependence_violation
+
+
+class TwoLinear(torch.nn.Module):
+    """Minimal stand-in exposing model.model.layers and a loss path for collect_linear_stats."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 16)
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.Linear(24, 16))])
+        self.head = torch.nn.Linear(16, 50)
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def forward(self, inputs_embeds, use_cache=False):
+        return type("Out", (), {"logits": self.head(self.model.layers[0](inputs_embeds))})()
+
+
+def stats_for(seed=0):
+    torch.manual_seed(seed)
+    model = TwoLinear()
+    ids = torch.randint(0, 50, (6, 20))
+    return model, collect_linear_stats(model, ids, ["0.0", "0.1"], batch_size=3)
+
+
+def test_statistics_are_exact_second_moments():
+    model, stats = stats_for()
+    s = stats["0.0"]
+    assert s.tokens == 6 * 20
+    c, g = s.covariances()
+    x = model.embed(torch.randint(0, 50, (1,)))  # shape sanity only
+    assert c.shape == (16, 16) and g.shape == (24, 24) and x.shape[-1] == 16
+    assert torch.allclose(c, c.T) and torch.linalg.eigvalsh(c).min() > -1e-10
+    assert torch.linalg.eigvalsh(g).min() > -1e-10 and g.trace() > 0
+
+
+def test_full_rank_reconstructs_weight_for_every_method():
+    model, stats = stats_for()
+    weight = model.model.layers[0][0].weight.detach()
+    for method in ("fisher", "whiten", "svd", "pca"):
+        dec = decompose(weight, stats["0.0"], method)
+        a, b = dec.factors(16)
+        assert torch.allclose((a @ b).float(), weight, atol=1e-4), method
+
+
+def test_fisher_truncation_minimises_the_surrogate():
+    model, stats = stats_for()
+    weight = model.model.layers[0][0].weight.detach().double()
+    c, g = stats["0.0"].covariances()
+
+    def surrogate(approx):
+        delta = approx - weight
+        return torch.trace(delta.T @ g @ delta @ c).item()
+
+    fisher = decompose(weight, stats["0.0"], "fisher")
+    svd = decompose(weight, stats["0.0"], "svd")
+    a, b = fisher.factors(6)
+    a2, b2 = svd.factors(6)
+    assert surrogate(a @ b) < surrogate(a2 @ b2)
+
+
+def test_allocation_meets_budget_and_prefers_cheap_loss():
+    shapes = {"flat": (32, 32), "steep": (32, 32)}
+    flat = type("D", (), {"spectrum": torch.ones(32, dtype=torch.float64)})()
+    steep = type("D", (), {"spectrum": torch.tensor([100.0] * 4 + [1e-6] * 28, dtype=torch.float64)})()
+    ranks = allocate_ranks({"flat": flat, "steep": steep}, shapes, budget=0.6)
+    kept = sum((r * 64 if r is not None else 1024) for r in ranks.values())
+    assert kept <= 0.6 * 2048
+    assert ranks["steep"] is not None and ranks["steep"] <= 6  # low-rank layer is compressed hard
+    assert ranks["flat"] is None or ranks["flat"] > ranks["steep"]
+
+
+def test_rho_is_small_for_independent_and_large_for_coupled():
+    model, stats = stats_for()
+    independent = dependence_violation(stats["0.0"])
+    s = stats["0.0"]
+    coupled = type(s)(**{**s.__dict__})
+    coupled.probe_ab = s.probe_ab * 3.0  # E[ab] = 3 E[a]E[b]-ish: strong coupling
+    assert dependence_violation(coupled) > independent
+
+
+def test_compress_linears_respects_budget():
+    model, stats = stats_for()
+    linears = {"0.0": model.model.layers[0][0], "0.1": model.model.layers[0][1]}
+    factors, results = compress_linears(linears, stats, FascOptions(budget=0.5))
+    kept = sum(a.numel() + b.numel() for a, b in factors.values()) + sum(
+        linears[r.name].weight.numel() for r in results if r.rank is None
+    )
+    assert kept <= 0.5 * sum(l.weight.numel() for l in linears.values())
+    assert {r.name for r in results} == set(linears)

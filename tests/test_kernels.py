@@ -1,0 +1,481 @@
+"""LISA attention / low-rank kernels (kernels/): Triton vs the torch reference, on this CPU machine.
+
+* Interpreter tests (`test_interp_*`): Triton's interpreter must be chosen before `triton.language` is
+  first imported (its own helpers such as `tl.zeros` are `@triton.jit` functions decorated at import), and
+  switching it on for the whole pytest process would turn every other Triton kernel into an interpreted
+  one. So the numerics run in ONE child process (`python tests/test_kernels.py --interp-child ...` with
+  TRITON_INTERPRET=1 from the start), started once per session for the selected cases; each parent test
+  reports its own case from the child's JSON result. The child starts early (from the compile tests'
+  fixture), so it overlaps with the ahead-of-time compiles on a 2-core machine.
+* AOT tests (`test_compile_*`): the kernels are compiled in this process with
+  `triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))` down to a cubin (bundled ptxas), with
+  the argument specialisation the JIT would use on a GPU (ints == 1 folded, 16-divisibility hints). This
+  surfaces GPU-only errors (dot shapes, dtype rules, layouts, shared memory) without a GPU; it does not
+  check numerics on a GPU.
+* Fallback tests: dispatch to the torch reference on CPU tensors, and with `triton` hidden.
+
+bf16 is only compiled, never run: the interpreter's bf16 tl.dot is not trustworthy.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
+_COPIES: dict[str, tuple] = {}
+
+
+def _load_copy(pkg_name: str):
+    """Imports kernels/lisa_attention_{triton,reference}.py as a private package `pkg_name`.
+
+    Returns (triton_module, reference_module). The copies stay out of sys.modules afterwards.
+    """
+    if pkg_name not in _COPIES:
+        spec = importlib.machinery.ModuleSpec(pkg_name, None, is_package=True)
+        spec.submodule_search_locations = [str(KERNELS_DIR)]
+        sys.modules[pkg_name] = importlib.util.module_from_spec(spec)
+        try:
+            _COPIES[pkg_name] = (
+                importlib.import_module(f"{pkg_name}.lisa_attention_triton"),
+                importlib.import_module(f"{pkg_name}.lisa_attention_reference"),
+            )
+        finally:
+            for name in [n for n in sys.modules if n == pkg_name or n.startswith(pkg_name + ".")]:
+                del sys.modules[name]
+    return _COPIES[pkg_name]
+
+
+def _layer(batch, heads, kv_heads, q_len, kv_len, head_dim, rank, ffn, dtype, seed=0, with_bias=True):
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g) * scale
+
+    p = dict(
+        mix=rand(heads, heads, scale=0.5),
+        bias=rand(heads, scale=0.5) if with_bias else None,
+        w1=rand(ffn, heads, scale=0.5) if ffn else None,
+        b1=rand(ffn, scale=0.5) if ffn else None,
+        w2=rand(heads, ffn, scale=0.5) if ffn else None,
+        s_prev=rand(batch, heads, q_len, kv_len, scale=1.5),
+        qlr=rand(batch, heads, q_len, rank) if rank else None,
+        klr=rand(batch, heads, kv_len, rank) if rank else None,
+        v=rand(batch, kv_heads, kv_len, head_dim),
+        q_prev=rand(batch, heads, q_len, 16),
+        k_prev=rand(batch, kv_heads, kv_len, 16),
+    )
+    return {k: (t.to(dtype) if t is not None else None) for k, t in p.items()}
+
+
+def _padding_mask(batch, q_len, kv_len, dtype):
+    """Additive (B,1,Tq,Tk) mask, HF style (finfo.min): batch row 0 has 3 left-padded keys."""
+    m = torch.zeros(batch, 1, q_len, kv_len, dtype=dtype)
+    m[0, :, :, :3] = torch.finfo(dtype).min
+    return m
+
+
+TOL = {torch.float32: dict(atol=2e-4, rtol=2e-4), torch.float16: dict(atol=3e-2, rtol=2e-2)}
+
+
+def _close(actual, expected, dtype, what):
+    torch.testing.assert_close(actual.float(), expected.float(), **TOL[dtype], msg=lambda m: f"{what}: {m}")
+
+
+# ------------------------------------------------------------------------------------------------
+# interpreter cases (run in the child process; `kt` = kernels with interpreted Triton, `ref` = reference)
+# ------------------------------------------------------------------------------------------------
+
+F32, F16 = torch.float32, torch.float16
+
+DECODE_CASES = {  # (batch, H, Hkv, Tk, rank, ffn, mask, splits, dtype)
+    "gqa-f32-nosplit": (2, 4, 2, 37, 3, 0, False, 1, F32),
+    "gqa-ffn-mask-split3-f32": (2, 4, 2, 37, 3, 5, True, 3, F32),
+    "h3-onekv-mask-split2-f32": (1, 3, 1, 20, 2, 0, True, 2, F32),  # H not a power of 2, one KV head
+    "mha-ffn-nolr-autosplit-f32": (2, 4, 4, 37, 0, 5, False, None, F32),  # no low-rank term
+    "gqa-ffn-mask-split3-f16": (2, 4, 2, 37, 3, 5, True, 3, F16),
+}
+
+
+def _case_decode(kt, ref, batch, heads, kv_heads, kv_len, rank, ffn, mask, splits, dtype):
+    p = _layer(batch, heads, kv_heads, 1, kv_len, 16, rank, ffn, dtype)
+    s_prev = p["s_prev"][:, :, 0]
+    qlr = p["qlr"][:, :, 0] if rank else None
+    am = _padding_mask(batch, 1, kv_len, dtype) if mask else None
+    args = (s_prev, p["mix"], p["bias"], p["w1"], p["b1"], p["w2"], qlr, p["klr"], p["v"], am)
+    out, scores = kt.lisa_decode(*args, num_splits=splits, backend="triton")
+    ref_out, ref_scores = ref.lisa_decode_reference(*args)
+    assert out.shape == (batch, heads, 16) and out.dtype == dtype
+    assert scores.shape == (batch, heads, kv_len) and scores.dtype == dtype
+    _close(scores, ref_scores, dtype, "scores")
+    _close(out, ref_out, dtype, "out")
+
+
+def _case_decode_model_layout(kt, ref):
+    """The model hands over (B,H,1,Tk) score rows, (B,H,1,r) queries, a (B,Tk) keep-mask; no S requested."""
+    p = _layer(1, 4, 2, 1, 21, 16, 2, 0, F32, seed=3)
+    keep = torch.ones(1, 21, dtype=torch.long)
+    keep[0, :2] = 0
+    args = (p["s_prev"], p["mix"], p["bias"], None, None, None, p["qlr"], p["klr"], p["v"], keep)
+    out, scores = kt.lisa_decode(*args, return_scores=False, backend="triton")
+    ref_out, _ = ref.lisa_decode_reference(p["s_prev"][:, :, 0], *args[1:6], p["qlr"][:, :, 0], *args[7:])
+    assert scores is None
+    _close(out, ref_out, F32, "out")
+
+
+PREFILL_CASES = {  # (batch, H, Hkv, Tq, Tk, rank, ffn, mask, causal_skip, dtype)
+    "chunked-ffn-mask-full-S-f32": (2, 4, 2, 13, 21, 3, 5, True, False, F32),  # 8 cached keys
+    "square-causal-skip-f32": (1, 4, 2, 19, 19, 3, 0, False, True, F32),
+    "chunked-ffn-mask-skip-f16": (2, 4, 2, 13, 21, 3, 5, True, True, F16),
+}
+
+
+def _case_prefill(kt, ref, batch, heads, kv_heads, q_len, kv_len, rank, ffn, mask, causal_skip, dtype):
+    p = _layer(batch, heads, kv_heads, q_len, kv_len, 16, rank, ffn, dtype, seed=1)
+    am = _padding_mask(batch, q_len, kv_len, dtype) if mask else None
+    args = (p["s_prev"], p["mix"], p["bias"], p["w1"], p["b1"], p["w2"], p["qlr"], p["klr"], p["v"], am)
+    out, scores = kt.lisa_prefill(*args, return_scores=True, causal_skip=causal_skip, backend="triton")
+    ref_out, ref_scores = ref.lisa_prefill_reference(*args, return_scores=True)
+    _close(out, ref_out, dtype, "out")
+    assert torch.isfinite(scores.float()).all()
+    if causal_skip:  # S is only guaranteed where a query can see the key (0 in skipped tiles)
+        visible = torch.ones(q_len, kv_len).tril(kv_len - q_len).bool()
+        _close(scores[..., visible], ref_scores[..., visible], dtype, "scores (visible part)")
+    else:
+        _close(scores, ref_scores, dtype, "scores")
+
+
+PREFILL_QK_CASES = {  # (H, Hkv, ffn, return_scores, dtype)
+    "fast-gqa-f32": (4, 2, 0, False, F32),  # fused, no N x N: GQA fold of the queries
+    "fast-mha-f32": (3, 3, 0, False, F32),  # fused, MHA: scaled per-head products
+    "fast-gqa-f16": (4, 2, 0, False, F16),
+    "ffn-materialised-f32": (4, 2, 5, False, F32),  # FFN: S_prev materialised, scores + attention kernels
+    "return-scores-f32": (4, 2, 0, True, F32),  # S requested: same materialised route
+}
+
+
+def _case_prefill_qk(kt, ref, heads, kv_heads, ffn, return_scores, dtype):
+    batch, q_len, kv_len = 2, 11, 18
+    p = _layer(batch, heads, kv_heads, q_len, kv_len, 16, 3, ffn, dtype, seed=2)
+    am = _padding_mask(batch, q_len, kv_len, dtype)
+    args = (None, p["mix"], p["bias"], p["w1"], p["b1"], p["w2"], p["qlr"], p["klr"], p["v"], am)
+    kw = dict(q_prev=p["q_prev"], k_prev=p["k_prev"], prev_scale=0.3, return_scores=return_scores)
+    out, scores = kt.lisa_prefill(*args, **kw, causal_skip=False, backend="triton")
+    ref_out, ref_scores = ref.lisa_prefill_reference(*args, **kw)
+    _close(out, ref_out, dtype, "out")
+    if return_scores:
+        _close(scores, ref_scores, dtype, "scores")
+    else:
+        assert scores is None
+
+
+LOWRANK_CASES = {  # (rows, rank, bias, split_k, dtype)
+    "m1-bias-f32": (1, 40, True, None, F32),
+    "m5-splitk3-f32": (5, 24, False, 3, F32),
+    "m16-bias-splitk2-f16": (16, 40, True, 2, F16),
+}
+
+
+def _case_lowrank(kt, ref, rows, rank, bias, split_k, dtype):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(rows, 100, generator=g).to(dtype)  # K = 100: not a multiple of BLOCK_K
+    b_w = (torch.randn(rank, 100, generator=g) / 10).to(dtype)
+    a_w = (torch.randn(70, rank, generator=g) / math.sqrt(rank)).to(dtype)
+    b = torch.randn(70, generator=g).to(dtype) if bias else None
+    y = kt.lowrank_linear_triton(x, b_w, a_w, b, split_k=split_k)
+    assert y.shape == (rows, 70) and y.dtype == dtype
+    expected = ref.lowrank_linear_reference(x.float(), b_w.float(), a_w.float(), None if b is None else b.float())
+    _close(y, expected, dtype, "y")
+
+
+INTERP_CASES = {
+    **{f"decode/{k}": (_case_decode, v) for k, v in DECODE_CASES.items()},
+    "decode/model-layout-keepmask-f32": (_case_decode_model_layout, ()),
+    **{f"prefill/{k}": (_case_prefill, v) for k, v in PREFILL_CASES.items()},
+    **{f"prefill_qk/{k}": (_case_prefill_qk, v) for k, v in PREFILL_QK_CASES.items()},
+    **{f"lowrank/{k}": (_case_lowrank, v) for k, v in LOWRANK_CASES.items()},
+}
+
+
+def _interp_child(out_path: str, case_ids: list[str]) -> None:
+    """Child process entry point (TRITON_INTERPRET=1 set by the parent before anything imports triton)."""
+    kt, ref = _load_copy("_lisa_kernels_interp")
+    assert kt.HAS_TRITON and kt._INTERPRET, "child must run with TRITON_INTERPRET=1"
+    results = {}
+    for case_id in case_ids:
+        fn, args = INTERP_CASES[case_id]
+        t0 = time.perf_counter()
+        try:
+            fn(kt, ref, *args)
+            results[case_id] = {"ok": True, "seconds": time.perf_counter() - t0}
+        except BaseException:  # noqa: BLE001 - report everything to the parent
+            results[case_id] = {"ok": False, "error": traceback.format_exc(), "seconds": time.perf_counter() - t0}
+        Path(out_path).write_text(json.dumps(results))  # partial results survive a crash
+
+
+class _InterpChild:
+    """One child process running the selected interpreter cases; started lazily, read on demand."""
+
+    def __init__(self, case_ids: list[str], workdir: Path):
+        self.out = workdir / "interp_results.json"
+        self.log = workdir / "interp_child.log"
+        env = dict(os.environ, TRITON_INTERPRET="1", TRITON_DEFAULT_FP_FUSION="1")
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--interp-child", str(self.out), *case_ids]
+        self.log_file = open(self.log, "w")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log_file, stderr=subprocess.STDOUT)
+        self.results: dict | None = None
+
+    def result(self, case_id: str, timeout: float = 900) -> dict:
+        if self.results is None:
+            try:
+                self.proc.wait(timeout=timeout)
+            finally:
+                if self.proc.poll() is None:
+                    self.proc.kill()
+                self.log_file.close()
+            self.results = json.loads(self.out.read_text()) if self.out.exists() else {}
+        if case_id not in self.results:
+            tail = self.log.read_text()[-4000:]
+            pytest.fail(f"interpreter child gave no result for {case_id} (exit {self.proc.returncode}):\n{tail}")
+        return self.results[case_id]
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if not self.log_file.closed:
+            self.log_file.close()
+
+
+@pytest.fixture(scope="session")
+def interp_child(request, tmp_path_factory):
+    """Starts the interpreter child for every selected test_interp case (once per session)."""
+    pytest.importorskip("triton")
+    selected = [
+        item.callspec.params["case_id"]
+        for item in request.session.items
+        if item.name.startswith("test_interp[") and hasattr(item, "callspec")
+    ]
+    child = _InterpChild(selected, tmp_path_factory.mktemp("lisa_interp"))
+    yield child
+    child.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# dispatch / fallbacks (in this process, no interpreter involved)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_auto_backend_on_cpu_uses_reference():
+    kt, ref = _load_copy("_lisa_kernels_plain")
+    p = _layer(1, 4, 2, 5, 9, 16, 2, 3, F32)
+    args = (p["s_prev"], p["mix"], p["bias"], p["w1"], p["b1"], p["w2"], p["qlr"], p["klr"], p["v"])
+    out, scores = kt.lisa_prefill(*args, return_scores=True)  # CPU tensors -> torch path (full S)
+    ref_out, ref_scores = ref.lisa_prefill_reference(*args, return_scores=True)
+    assert torch.equal(out, ref_out) and torch.equal(scores, ref_scores)
+    dec_args = (p["s_prev"][:, :, -1], *args[1:6], p["qlr"][:, :, -1], p["klr"], p["v"])
+    out, scores = kt.lisa_decode(*dec_args)
+    ref_out, ref_scores = ref.lisa_decode_reference(*dec_args)
+    assert torch.equal(out, ref_out) and torch.equal(scores, ref_scores)
+    x, b_w, a_w = torch.randn(3, 8), torch.randn(4, 8), torch.randn(6, 4)
+    assert torch.equal(kt.lowrank_linear(x, b_w, a_w), ref.lowrank_linear_reference(x, b_w, a_w))
+    assert not kt.triton_available(x)
+    with pytest.raises(ValueError):
+        kt.lisa_decode(*[None] * 9, backend="bogus")
+
+
+def test_without_triton_falls_back(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
+    monkeypatch.setitem(sys.modules, "triton.language", None)
+    kt, ref = _load_copy("_lisa_kernels_notriton")
+    assert not kt.HAS_TRITON and not kt.triton_available()
+    p = _layer(1, 4, 2, 1, 9, 16, 2, 0, F32)
+    args = (p["s_prev"][:, :, 0], p["mix"], p["bias"], None, None, None, p["qlr"][:, :, 0], p["klr"], p["v"])
+    out, scores = kt.lisa_decode(*args)
+    ref_out, ref_scores = ref.lisa_decode_reference(*args)
+    assert torch.equal(out, ref_out) and torch.equal(scores, ref_scores)
+    x, b_w, a_w = torch.randn(2, 8), torch.randn(4, 8), torch.randn(6, 4)
+    assert torch.equal(kt.lowrank_linear(x, b_w, a_w), ref.lowrank_linear_reference(x, b_w, a_w))
+    with pytest.raises(RuntimeError):
+        kt.lisa_decode(*args, backend="triton")
+
+
+def test_reference_decode_equals_prefill_last_row():
+    _, ref = _load_copy("_lisa_kernels_plain")
+    p = _layer(2, 4, 2, 6, 6, 16, 3, 5, F32, seed=7)
+    args = (p["mix"], p["bias"], p["w1"], p["b1"], p["w2"])
+    out, scores = ref.lisa_prefill_reference(p["s_prev"], *args, p["qlr"], p["klr"], p["v"], return_scores=True)
+    d_out, d_scores = ref.lisa_decode_reference(p["s_prev"][:, :, -1], *args, p["qlr"][:, :, -1], p["klr"], p["v"])
+    torch.testing.assert_close(d_out, out[:, :, -1])
+    torch.testing.assert_close(d_scores, scores[:, :, -1])
+
+
+def test_model_adapter_matches_modeling_math():
+    """kernels/lisa_kernels.py (what modeling_lisa_llama.py imports) vs the modeling file's torch formula."""
+    from types import SimpleNamespace
+
+    _load_copy("_lisa_kernels_plain")
+    spec = importlib.machinery.ModuleSpec("_lisa_kernels_adapter", None, is_package=True)
+    spec.submodule_search_locations = [str(KERNELS_DIR)]
+    sys.modules["_lisa_kernels_adapter"] = importlib.util.module_from_spec(spec)
+    try:
+        adapter = importlib.import_module("_lisa_kernels_adapter.lisa_kernels")
+    finally:
+        for name in [n for n in sys.modules if n.startswith("_lisa_kernels_adapter")]:
+            del sys.modules[name]
+    torch.manual_seed(0)
+    B, H, Hkv, Tk, D, r, hidden = 2, 4, 2, 7, 8, 3, 5
+    align = SimpleNamespace(
+        mix=torch.randn(H, H), bias=torch.randn(H), ffn_in=torch.nn.Linear(H, hidden), ffn_out=torch.nn.Linear(hidden, H, bias=False)
+    )
+    module = SimpleNamespace(align=align, rank=r)
+    prev, q_lr = torch.randn(B, H, 1, Tk), torch.randn(B, H, 1, r)
+    k_lr, value = torch.randn(B, H, Tk, r), torch.randn(B, Hkv, Tk, D)
+    mask = torch.zeros(B, 1, 1, Tk)
+    mask[1, ..., :2] = torch.finfo(torch.float32).min
+    with torch.no_grad():
+        out, scores = adapter.fused_lisa_decode(module, prev, q_lr, k_lr, value, mask)
+        per_pos = prev.permute(0, 2, 3, 1)
+        expect = torch.einsum("hg,bgij->bhij", align.mix, prev) + align.bias[None, :, None, None]
+        expect = expect + align.ffn_out(torch.nn.functional.gelu(align.ffn_in(per_pos), approximate="tanh")).permute(0, 3, 1, 2)
+        expect = expect + q_lr @ k_lr.transpose(2, 3) * r**-0.5
+        probs = torch.softmax(expect + mask, dim=-1)
+        expect_out = (probs @ value.repeat_interleave(H // Hkv, dim=1)).transpose(1, 2)
+    assert out.shape == (B, 1, H, D) and scores.shape == (B, H, 1, Tk)
+    torch.testing.assert_close(scores, expect)
+    torch.testing.assert_close(out, expect_out)
+
+
+# ------------------------------------------------------------------------------------------------
+# ahead-of-time compile for sm_90 (H100/H200): GPU-only errors without a GPU
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def kaot(request, monkeypatch):
+    triton = pytest.importorskip("triton")
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    if any(i.name.startswith("test_interp[") for i in request.session.items):
+        request.getfixturevalue("interp_child")  # start the child now: it overlaps with the compiles
+    if not isinstance(triton.language.zeros, triton.runtime.JITFunction):
+        pytest.skip("TRITON_INTERPRET was set when triton was imported: cannot compile in this process")
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # silence the 3.9 deprecation warning
+    kt, _ = _load_copy("_lisa_kernels_plain")
+    assert not kt._INTERPRET and isinstance(kt._lisa_decode_reduce_kernel, triton.runtime.JITFunction)
+    return kt
+
+
+def _compile_sm90(launch, config=None):
+    """Compiles one planned launch as the JIT would on an sm_90 device (same specialisation)."""
+    import triton
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    kernel = launch.kernel
+    fn = kernel.fn if isinstance(kernel, triton.runtime.Autotuner) else kernel
+    if config is None and isinstance(kernel, triton.runtime.Autotuner):
+        config = kernel.configs[0]
+    constexprs = dict(launch.constexprs)
+    options = {k: constexprs.pop(k) for k in ("num_warps", "num_stages") if k in constexprs}
+    if config is not None:
+        constexprs.update(config.kwargs)
+        options.update(num_warps=config.num_warps, num_stages=config.num_stages)
+    runtime_names = [n for n in fn.arg_names if n not in constexprs]
+    assert len(runtime_names) == len(launch.args), "launch plan out of sync with the kernel signature"
+    signature, attrs = {}, {}
+    for name, value in zip(runtime_names, launch.args):
+        ty, attr = native_specialize_impl(CUDABackend, value, False, True, True)
+        if ty == "constexpr":  # ints equal to 1 are specialised away, as on a GPU
+            constexprs[name] = attr
+        else:
+            signature[name] = ty
+            if isinstance(attr, str) and attr:
+                attrs[(fn.arg_names.index(name),)] = CUDABackend.parse_attr(attr)
+    signature.update({name: "constexpr" for name in constexprs})
+    signature = {name: signature[name] for name in fn.arg_names}
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    assert compiled.asm.get("cubin"), "no cubin produced"
+    assert compiled.metadata.shared <= 227 * 1024, f"{fn.__name__}: {compiled.metadata.shared} B shared memory"
+    return compiled
+
+
+def _llama3_layer(ffn, q_len=64, kv_len=64):
+    # Llama-3-8B attention shapes (H=32, Hkv=8, D=128), r=16, bf16; short sequence (only types/constexprs matter)
+    return _layer(1, 32, 8, q_len, kv_len, 128, 16, ffn, torch.bfloat16)
+
+
+def test_compile_decode_sm90(kaot):
+    import triton
+
+    p = _llama3_layer(ffn=32, q_len=1, kv_len=256)
+    am = torch.zeros(1, 1, 1, 256, dtype=torch.bfloat16)
+    launches, _, _ = kaot._decode_plan(
+        p["s_prev"][:, :, 0], p["mix"], p["bias"], p["w1"], p["b1"], p["w2"], p["qlr"][:, :, 0], p["klr"], p["v"],
+        am, True, 4,
+    )  # fmt: skip
+    assert len(launches) == 2  # split-K: partial kernel + merge kernel
+    launches[0].constexprs["BLOCK_N"] = 64  # the block size used on CUDA
+    _compile_sm90(launches[0], triton.Config({}, num_warps=4, num_stages=2))
+    _compile_sm90(launches[1])
+
+
+def test_compile_prefill_sm90(kaot):
+    p = _llama3_layer(ffn=32)
+    am = torch.zeros(1, 1, 64, 64, dtype=torch.bfloat16)
+    launches, _, _ = kaot._prefill_plan(
+        p["s_prev"], p["mix"], p["bias"], p["w1"], p["b1"], p["w2"], p["qlr"], p["klr"], p["v"], am,
+        None, None, None, True, True,
+    )  # fmt: skip
+    scores_launch, attn_launch = launches
+    assert not attn_launch.constexprs["FROM_QK"]
+    _compile_sm90(scores_launch, kaot._SCORES_CONFIGS_CUDA[0])
+    _compile_sm90(attn_launch, kaot._PREFILL_CONFIGS_CUDA[0])
+
+
+def test_compile_prefill_fast_path_sm90(kaot):
+    p = _llama3_layer(ffn=0)
+    q_prev = torch.randn(1, 32, 64, 128, dtype=torch.bfloat16)
+    k_prev = torch.randn(1, 8, 64, 128, dtype=torch.bfloat16)
+    launches, _, _ = kaot._prefill_plan(
+        None, p["mix"], p["bias"], None, None, None, p["qlr"], p["klr"], p["v"], None,
+        q_prev, k_prev, None, False, True,
+    )  # fmt: skip
+    (launch,) = launches
+    assert launch.constexprs["FROM_QK"] and not launch.constexprs["GROUP_ONE"]
+    _compile_sm90(launch, kaot._PREFILL_CONFIGS_CUDA[-1])
+
+
+def test_compile_lowrank_sm90(kaot):
+    x = torch.randn(4, 512, dtype=torch.bfloat16)
+    b_w = torch.randn(64, 512, dtype=torch.bfloat16)
+    a_w = torch.randn(512, 64, dtype=torch.bfloat16)
+    launches, _ = kaot._lowrank_plan(x, b_w, a_w, None)
+    _compile_sm90(launches[0])
+
+
+# the interpreter results come last: the child started by the compile tests has been running meanwhile
+@pytest.mark.parametrize("case_id", list(INTERP_CASES))
+def test_interp(interp_child, case_id):
+    """Triton kernel (interpreted, CPU) vs the torch reference; fp32/fp16, see INTERP_CASES."""
+    res = interp_child.result(case_id)
+    if not res["ok"]:
+        pytest.fail(f"[interpreter child] {case_id}:\n{res['error']}", pytrace=False)
+
+
+
+if __name__ == "__main__" and len(sys.argv) >= 3 and sys.argv[1] == "--interp-child":
+    _interp_child(sys.argv[2], sys.argv[3:])

@@ -1,0 +1,106 @@
+"""LisaLlamaForCausalLM against transformers' LlamaForCausalLM on a tiny random model."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hfcompress.remote import lisa_classes
+
+LisaLlamaConfig, LisaLlamaForCausalLM = lisa_classes()
+
+
+def tiny_config(**overrides) -> LlamaConfig:
+    base = dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=256,
+    )
+    return LlamaConfig(**{**base, **overrides})
+
+
+def lisa_copy(reference: LlamaForCausalLM, **spec) -> LisaLlamaForCausalLM:
+    config = LisaLlamaConfig(**{k: v for k, v in reference.config.to_dict().items() if k != "model_type"}, **spec)
+    model = LisaLlamaForCausalLM(config).eval()
+    state = {k: v for k, v in reference.state_dict().items()}
+    for layer in config.lisa_layers:
+        for proj in ("q_proj", "k_proj"):
+            state.pop(f"model.layers.{layer}.self_attn.{proj}.weight")
+    for name, rank in config.fasc_ranks.items():
+        weight = state.pop(f"model.layers.{name}.weight")
+        u, s, vh = torch.linalg.svd(weight, full_matrices=False)
+        state[f"model.layers.{name}.proj_out.weight"] = u[:, :rank] * s[:rank]
+        state[f"model.layers.{name}.proj_in.weight"] = vh[:rank]
+    missing = model.load_state_dict(state, strict=False).missing_keys
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name in missing and "lm_head" not in name:  # LISA modules: random but non-trivial
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    model.tie_weights()
+    return model
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_no_layer_converted_matches_llama(kv_heads):
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM(tiny_config(num_key_value_heads=kv_heads)).eval()
+    model = lisa_copy(reference)
+    ids = torch.randint(0, 128, (2, 17))
+    with torch.no_grad():
+        assert (model(ids).logits - reference(ids).logits).abs().max() <= 1e-4
+
+
+def test_fasc_full_rank_matches_llama():
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM(tiny_config()).eval()
+    model = lisa_copy(reference, fasc_ranks={"1.mlp.down_proj": 64, "2.self_attn.o_proj": 64})
+    assert type(model.model.layers[1].mlp.down_proj).__name__ == "FascLinear"
+    ids = torch.randint(0, 128, (1, 9))
+    with torch.no_grad():
+        assert (model(ids).logits - reference(ids).logits).abs().max() <= 1e-4
+
+
+def test_lisa_generate_with_cache_equals_recompute():
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM(tiny_config()).eval()
+    model = lisa_copy(reference, lisa_layers={"2": {"rank": 4, "align_hidden": 8}, "3": {"rank": 4, "align_hidden": 0}})
+    ids = torch.randint(0, 128, (2, 7))
+    with torch.no_grad():
+        generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+        sequence = ids
+        for _ in range(12):
+            step = model(sequence, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            sequence = torch.cat([sequence, step], dim=1)
+    assert torch.equal(generated, sequence)
+
+
+def test_lisa_layer_caches_only_lowrank_k_and_v():
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM(tiny_config()).eval()
+    model = lisa_copy(reference, lisa_layers={"2": {"rank": 4, "align_hidden": 0}})
+    with torch.no_grad():
+        cache = model(torch.randint(0, 128, (1, 5)), use_cache=True).cache
+    full, shared = cache.layers[1], cache.layers[2]
+    assert full.keys.shape == (1, 2, 5, 16)
+    assert shared.keys.shape == (1, 4, 5, 4)  # H heads x rank r, not kv_heads x head_dim
+    assert shared.values.shape == (1, 2, 5, 16)
+    assert not hasattr(model.model.layers[2].self_attn, "q_proj")
+
+
+def test_left_padding_does_not_change_logits():
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM(tiny_config()).eval()
+    model = lisa_copy(reference, lisa_layers={"1": {"rank": 4, "align_hidden": 4}})
+    ids = torch.randint(0, 128, (1, 10))
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], dim=1)
+    mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 10, dtype=torch.long)], dim=1)
+    with torch.no_grad():
+        plain = model(ids).logits
+        with_pad = model(padded, attention_mask=mask).logits[:, 3:]
+    assert (plain - with_pad).abs().max() <= 1e-4
+
+
+def test_config_rejects_bad_lisa_spec():
+    with pytest.raises(Exception, match="layer 0 has no anchor"):
+        LisaLlamaConfig(**tiny_config().to_dict() | {"lisa_layers": {"0": {"rank": 4}}})
+    with pytest.raises(Exception, match="even"):
+        LisaLlamaConfig(**tiny_config().to_dict() | {"lisa_layers": {"1": {"rank": 3}}})

@@ -58,6 +58,7 @@ def render_card(report: dict, repo_id: str) -> ModelCard:
         params_original=report["parameters"]["original"]["total"],
         params_converted=report["parameters"]["converted"]["total"],
         reload_diff=validation["reload"]["max_abs_logit_diff"],
+        plots=report.get("plots", {}),
         num_layers=report["num_layers"],
         lisa_layers=lisa["layers"],
         lisa_rank=lisa["rank"],

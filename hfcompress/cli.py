@@ -120,6 +120,36 @@ def convert(
     _run(action)
 
 
+@app.command(
+    epilog=f"Example:\n\n  hfcompress analyze {BUILTIN_SOURCE} --plot similarity.png --json analysis.json"
+)
+def analyze(
+    source: str = typer.Argument(BUILTIN_SOURCE, help="Same SOURCE forms as `convert`."),
+    plot: Path = typer.Option(Path("similarity.png"), help="Where to write the heatmap PNG."),
+    json_out: Path = typer.Option(None, "--json", help="Also write the measurements as JSON."),
+    rho: bool = typer.Option(False, "--rho", help="Also measure FASC rho per linear (needs backward passes)."),
+    share_ratio: float = typer.Option(0.5, help="Show which layers convert would share at this ratio."),
+    protect_first: int = typer.Option(2, help="Number of shallow layers never shared."),
+    calib_text: Path = typer.Option(None, help="UTF-8 text for calibration [default: built-in English text]."),
+    calib_sequences: int = typer.Option(16, help="Number of calibration sequences."),
+    seq_len: int = typer.Option(256, help="Calibration sequence length in tokens."),
+    revision: str = typer.Option(None, help="Branch, tag or commit of a Hub source."),
+) -> None:
+    """Measure per-layer attention similarity (LISA) and optionally rho (FASC); cached for `convert`."""
+    from .analyze import analyze as run_analyze
+    from .convert import ConvertOptions
+
+    def action() -> None:
+        options = ConvertOptions(
+            source=source, out=Path("."), revision=revision, calib_text=calib_text,
+            calib_sequences=calib_sequences, seq_len=seq_len,
+            lisa=LisaOptions(share_ratio=share_ratio, protect_first=protect_first),
+        )
+        run_analyze(options, plot, json_out, rho)
+
+    _run(action)
+
+
 @app.command()
 def push(
     directory: Path = typer.Argument(..., help="A directory written by `hfcompress convert`."),

@@ -22,6 +22,7 @@ from .card import write_card
 from .errors import HfcompressError
 from .fasc import FascOptions, compress_linears
 from .lisa import LisaOptions, fit_lisa, lowrank_rank, measure_similarity, select_layers
+from .plots import fasc_ranks_and_rho, perplexity_bars, similarity_heatmap
 from .progress import console
 from .push import push_folder, require_token
 from .source import ResolvedSource, load_source, resolve_source
@@ -93,6 +94,52 @@ def _step(name: str, timings: dict):
     return _Timer()
 
 
+def write_plots(report: dict, directory: Path) -> dict[str, str]:
+    """The card's PNGs; returns {name: path relative to the repo root}."""
+    directory.mkdir(parents=True, exist_ok=True)
+    plots = {}
+    if report["lisa"]["similarity"]:
+        similarity_heatmap(report["lisa"]["similarity"], report["lisa"]["layers"], directory / "similarity.png")
+        plots["similarity"] = "plots/similarity.png"
+    if report["fasc"]["layers"]:
+        fasc_ranks_and_rho(report["fasc"]["layers"], directory / "fasc.png")
+        plots["fasc"] = "plots/fasc.png"
+    validation = report["validation"]
+    perplexity_bars(validation["original"]["perplexity"], validation["converted"]["perplexity"], directory / "perplexity.png")
+    plots["perplexity"] = "plots/perplexity.png"
+    return plots
+
+
+@dataclass
+class Prepared:
+    """The loaded source model and the token streams every step works on."""
+
+    source: ResolvedSource
+    model: torch.nn.Module
+    tokenizer: object
+    sequences: torch.Tensor  # (N, T) calibration sequences
+    eval_ids: torch.Tensor  # held-out tokens for perplexity
+    calib_name: str
+    eval_name: str
+    cache: Path  # calibration cache of this (model, text, settings)
+
+
+def prepare(options: ConvertOptions, token: str | None = None) -> Prepared:
+    """Resolve and load SOURCE, tokenise calibration and evaluation text."""
+    source = resolve_source(options.source, options.revision, token)
+    model, tokenizer = load_source(source)
+    calib_raw = read_text_file(options.calib_text) if options.calib_text else builtin_text()
+    calib_name = str(options.calib_text) if options.calib_text else BUILTIN_TEXT_NAME
+    calib_split = tokenize_split(tokenizer, calib_raw, calib_name)
+    if options.eval_text:
+        eval_ids, eval_name = tokenize(tokenizer, read_text_file(options.eval_text)), str(options.eval_text)
+    else:
+        eval_ids, eval_name = calib_split.held_out, f"{calib_name}, held-out last 25%"
+    sequences = chunk(calib_split.calibration, options.seq_len, options.calib_sequences)
+    cache = options.cache_dir / cache_key(_source_identity(source), tensor_fingerprint(sequences))
+    return Prepared(source, model, tokenizer, sequences, eval_ids, calib_name, eval_name, cache)
+
+
 def convert(options: ConvertOptions, argv: list[str] | None = None) -> dict:
     """Run the whole conversion; returns the report. Raises HfcompressError on bad input or a failed gate push."""
     started = time.perf_counter()
@@ -104,19 +151,10 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> dict:
         raise HfcompressError(f"Output directory {out_dir} already exists: pass --overwrite or choose another --out.")
 
     with _step("fetch", timings):
-        source = resolve_source(options.source, options.revision, token)
-        model, tokenizer = load_source(source)
+        prepared = prepare(options, token)
+    source, model, tokenizer, cache = prepared.source, prepared.model, prepared.tokenizer, prepared.cache
+    sequences, eval_ids, eval_name, calib_name = prepared.sequences, prepared.eval_ids, prepared.eval_name, prepared.calib_name
     num_layers = model.config.num_hidden_layers
-
-    calib_raw = read_text_file(options.calib_text) if options.calib_text else builtin_text()
-    calib_name = str(options.calib_text) if options.calib_text else BUILTIN_TEXT_NAME
-    calib_split = tokenize_split(tokenizer, calib_raw, calib_name)
-    if options.eval_text:
-        eval_ids, eval_name = tokenize(tokenizer, read_text_file(options.eval_text)), str(options.eval_text)
-    else:
-        eval_ids, eval_name = calib_split.held_out, f"{calib_name}, held-out last 25%"
-    sequences = chunk(calib_split.calibration, options.seq_len, options.calib_sequences)
-    cache = options.cache_dir / cache_key(_source_identity(source), tensor_fingerprint(sequences))
 
     with _step("calibrate", timings):
         attn_inputs = load_or_compute(cache / "attention_inputs.pt", lambda: collect_attention_inputs(model, sequences))
@@ -214,6 +252,7 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> dict:
                 f"The written model reloads with different logits "
                 f"(max diff {report['validation']['reload']['max_abs_logit_diff']:.2e}); nothing was written."
             )
+        report["plots"] = write_plots(report, directory / "plots")
         report["wall_seconds"] = round(time.perf_counter() - started, 1)
         write_card(report, repo_id, directory)
         (directory / REPORT_FILE).write_text(json.dumps(report, indent=2, default=str))

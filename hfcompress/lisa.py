@@ -40,6 +40,7 @@ class LayerSimilarity:
     js_same_head: float
     js_best_match: float
     matching: list[int]  # matching[h] = head of layer-1 that head h resembles most
+    head_js_best: list[float]  # per head of this layer, JS to its matched head
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -109,6 +110,7 @@ def measure_similarity(model: nn.Module, attn_inputs: list[torch.Tensor], max_se
                     js_same_head=js.diagonal().mean().item(),
                     js_best_match=js.min(dim=1).values.mean().item(),
                     matching=js.argmin(dim=1).tolist(),
+                    head_js_best=js.min(dim=1).values.tolist(),
                 )
             )
         prev_probs = probs

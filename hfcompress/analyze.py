@@ -35,7 +35,8 @@ def analyze(options: ConvertOptions, plot: Path, json_path: Path | None, with_rh
         rho = {name: dependence_violation(entry) for name, entry in stats.items()}
 
     table = Table(title=f"{prepared.source.name}: attention similarity to the previous layer (JS, nats)")
-    for column in ("layer", "JS same head", "JS best match", "matching (head <- prev head)", "shared at ratio"):
+    columns = ("layer", "JS same head", "JS best match", "aligned output error", "matching (head <- prev head)", "shared")
+    for column in columns:
         table.add_column(column)
     if rho:
         table.add_column("mean rho")
@@ -44,6 +45,7 @@ def analyze(options: ConvertOptions, plot: Path, json_path: Path | None, with_rh
             str(row.layer),
             f"{row.js_same_head:.3f}",
             f"{row.js_best_match:.3f}",
+            f"{row.aligned_output_error:.3f}",
             " ".join(map(str, row.matching)),
             "yes" if row.layer in chosen else "",
         ]

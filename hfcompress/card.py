@@ -59,6 +59,7 @@ def render_card(report: dict, repo_id: str) -> ModelCard:
         params_converted=report["parameters"]["converted"]["total"],
         reload_diff=validation["reload"]["max_abs_logit_diff"],
         plots=report.get("plots", {}),
+        probe=validation.get("probe", {}),
         num_layers=report["num_layers"],
         lisa_layers=lisa["layers"],
         lisa_rank=lisa["rank"],

@@ -78,6 +78,7 @@ def convert(
     seq_len: int = typer.Option(256, help="Calibration sequence length in tokens."),
     eval_tokens: int = typer.Option(4096, help="Tokens of held-out text scored for perplexity."),
     seed: int = typer.Option(0, help="Random seed (fitting and probes)."),
+    probe: bool = typer.Option(True, "--probe/--no-probe", help="Run the factual-recall probe on both models."),
 ) -> None:
     """Convert SOURCE into a LisaLlama model, validate it, write --out and optionally push it."""
     from .convert import ConvertOptions
@@ -100,6 +101,7 @@ def convert(
             seq_len=seq_len,
             eval_tokens=eval_tokens,
             seed=seed,
+            probe=probe,
             lisa=LisaOptions(
                 share_ratio=share_ratio,
                 layers=_layers(lisa_layers),
@@ -146,6 +148,32 @@ def analyze(
             lisa=LisaOptions(share_ratio=share_ratio, protect_first=protect_first),
         )
         run_analyze(options, plot, json_out, rho)
+
+    _run(action)
+
+
+@app.command("eval", epilog=f"Example:\n\n  hfcompress eval smollm2-lisa --baseline {BUILTIN_SOURCE} --json eval.json")
+def evaluate(
+    model: str = typer.Argument(..., help="A converted model: hfcompress output directory or Hub id."),
+    baseline: str = typer.Option(None, help="Original model to measure beside it (any SOURCE form of `convert`)."),
+    eval_text: Path = typer.Option(None, help="UTF-8 text [default: held-out part of the built-in text]."),
+    context: int = typer.Option(512, help="Perplexity window in tokens."),
+    stride: int = typer.Option(None, help="Window stride in tokens [default: = context]."),
+    eval_tokens: int = typer.Option(None, help="Score only the first N tokens [default: all]."),
+    speed: bool = typer.Option(True, "--speed/--no-speed", help="Measure prefill/decode tokens/s side by side."),
+    probe: bool = typer.Option(True, "--probe/--no-probe", help="Run the factual-recall probe."),
+    trust_remote_code: bool = typer.Option(False, help="Needed for Hub ids: runs the modeling code the repo ships."),
+    json_out: Path = typer.Option(None, "--json", help="Also write the results as JSON."),
+) -> None:
+    """Perplexity, factual recall and speed of a converted model (and its baseline, same tokens, same run)."""
+    import json
+
+    from .evaluate import evaluate as run_evaluate
+
+    def action() -> None:
+        result = run_evaluate(model, baseline, eval_text, context, stride, eval_tokens, speed, probe, trust_remote_code)
+        if json_out:
+            json_out.write_text(json.dumps(result, indent=2))
 
     _run(action)
 

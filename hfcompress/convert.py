@@ -23,6 +23,7 @@ from .errors import HfcompressError
 from .fasc import FascOptions, compress_linears
 from .lisa import LisaOptions, fit_lisa, lowrank_rank, measure_similarity, select_layers
 from .plots import fasc_ranks_and_rho, perplexity_bars, similarity_heatmap
+from .probe import run_probe
 from .progress import console
 from .push import push_folder, require_token
 from .source import ResolvedSource, load_source, resolve_source
@@ -51,6 +52,7 @@ class ConvertOptions:
     eval_context: int = 512
     cache_dir: Path = field(default_factory=lambda: Path(os.environ.get("HFCOMPRESS_CACHE", "~/.cache/hfcompress")).expanduser())
     seed: int = 0
+    probe: bool = True  # factual-recall probe on original and converted
     lisa: LisaOptions = field(default_factory=LisaOptions)
     fasc: FascOptions = field(default_factory=FascOptions)
 
@@ -185,6 +187,11 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> dict:
     with _step("build", timings):
         converted = build_converted_model(model, fitted, fasc_factors)
 
+    probe = {}
+    if options.probe:
+        with _step("validate: factual probe", timings):
+            probe = {name: run_probe(m, tokenizer).to_dict() for name, m in (("original", model), ("converted", converted))}
+
     with _step("validate: perplexity", timings):
         ppl_original = perplexity(model, eval_ids, options.eval_context, max_tokens=options.eval_tokens, label="perplexity: original")
         ppl_converted = perplexity(converted, eval_ids, options.eval_context, max_tokens=options.eval_tokens, label="perplexity: converted")
@@ -237,6 +244,9 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> dict:
             "max_ppl_increase_pct": options.max_ppl_increase,
             "gate_passed": gate_passed,
             "gate_message": gate_message,
+            "probe": {
+                name: {k: result[k] for k in ("correct", "total", "accuracy")} for name, result in probe.items()
+            },
         },
         "timings": timings,
     }

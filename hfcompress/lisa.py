@@ -41,6 +41,7 @@ class LayerSimilarity:
     js_best_match: float
     matching: list[int]  # matching[h] = head of layer-1 that head h resembles most
     head_js_best: list[float]  # per head of this layer, JS to its matched head
+    aligned_output_error: float  # relative MSE of the attention output when scores = aligned previous scores
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -91,34 +92,67 @@ def js_matrix(p_cur: torch.Tensor, p_prev: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+def alignment_mix(cur_scores: torch.Tensor, prev_scores: torch.Tensor, matching: list[int]) -> torch.Tensor:
+    """H x H mix with mix[h, pi(h)] = least-squares scale of the matched previous head's logits onto head h's.
+
+    Rows are centred over their causal entries first: softmax ignores a per-row offset, so only the shape of
+    each score row has to be matched.
+    """
+    seq_len = cur_scores.shape[-1]
+    keep = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+    count = keep.sum(-1, keepdim=True)
+
+    def centred(x: torch.Tensor) -> torch.Tensor:
+        x = x.masked_fill(~keep, 0.0)
+        return (x - x.sum(-1, keepdim=True) / count).masked_fill(~keep, 0.0)
+
+    mix = torch.zeros(cur_scores.shape[1], prev_scores.shape[1])
+    for h, g in enumerate(matching):
+        s, p = centred(cur_scores[:, h]), centred(prev_scores[:, g])
+        mix[h, g] = (s * p).sum() / (p * p).sum().clamp_min(1e-12)
+    return mix
+
+
+def relative_error(output: torch.Tensor, target: torch.Tensor) -> float:
+    return ((output - target).pow(2).mean() / target.pow(2).mean()).item()
+
+
+@torch.no_grad()
 def measure_similarity(model: nn.Module, attn_inputs: list[torch.Tensor], max_sequences: int = 8) -> list[LayerSimilarity]:
     """Attention similarity of every layer to the previous one on calibration inputs."""
     layers = model.model.layers
     seq_len = attn_inputs[0].shape[1]
     mask = causal_mask(seq_len)
     cos_sin = rotary(model, attn_inputs[0][:1])
-    prev_probs = None
+    prev_scores = prev_probs = None
     result = []
     for idx in progress_bar(range(len(layers)), "analyze: attention similarity"):
-        scores = full_attention_scores(layers[idx].self_attn, attn_inputs[idx][:max_sequences], cos_sin)
+        attn, x = layers[idx].self_attn, attn_inputs[idx][:max_sequences]
+        scores = full_attention_scores(attn, x, cos_sin)
         probs = torch.softmax(scores + mask, dim=-1)
         if prev_probs is not None:
             js = js_matrix(probs, prev_probs)
+            matching = js.argmin(dim=1).tolist()
+            aligned = torch.einsum("hg,bgij->bhij", alignment_mix(scores, prev_scores, matching), prev_scores)
             result.append(
                 LayerSimilarity(
                     layer=idx,
                     js_same_head=js.diagonal().mean().item(),
                     js_best_match=js.min(dim=1).values.mean().item(),
-                    matching=js.argmin(dim=1).tolist(),
+                    matching=matching,
                     head_js_best=js.min(dim=1).values.tolist(),
+                    aligned_output_error=relative_error(
+                        attention_output(attn, x, aligned, mask), attention_output(attn, x, scores, mask)
+                    ),
                 )
             )
-        prev_probs = probs
+        prev_scores, prev_probs = scores, probs
     return result
 
 
 def select_layers(similarity: list[LayerSimilarity], num_layers: int, options: LisaOptions) -> list[int]:
-    """Explicit layers, or the share_ratio * L most similar layers outside the protected shallow ones."""
+    """Explicit layers, or the share_ratio * L layers outside the protected shallow ones whose attention output
+    is best reproduced by the head-aligned previous layer (what LISA keeps before any training)."""
     if options.layers is not None:
         bad = [l for l in options.layers if not 0 < l < num_layers]
         if bad:
@@ -133,7 +167,7 @@ def select_layers(similarity: list[LayerSimilarity], num_layers: int, options: L
             f"--share-ratio {options.share_ratio} asks for {count} shared layers but only {len(candidates)} "
             f"are outside the {options.protect_first} protected shallow layers."
         )
-    return sorted(s.layer for s in sorted(candidates, key=lambda s: s.js_best_match)[:count])
+    return sorted(s.layer for s in sorted(candidates, key=lambda s: s.aligned_output_error)[:count])
 
 
 def lowrank_rank(config, qk_compression: float) -> int:
@@ -155,17 +189,6 @@ class FittedLayer:
     loss_initial: float
     loss_final: float
     seconds: float
-
-
-def _init_alignment(module: nn.Module, cur_scores: torch.Tensor, prev_scores: torch.Tensor, matching: list[int]) -> None:
-    """mix[h, pi(h)] = least-squares scale of the matched previous head's logits onto this head's logits."""
-    seq_len = cur_scores.shape[-1]
-    keep = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
-    mix = torch.zeros_like(module.align.mix)
-    for h, g in enumerate(matching):
-        s, p = cur_scores[:, h][:, keep], prev_scores[:, g][:, keep]
-        mix[h, g] = (s * p).sum() / (p * p).sum().clamp_min(1e-12)
-    module.align.mix.data.copy_(mix)
 
 
 def fit_shared_layer(
@@ -210,7 +233,7 @@ def fit_shared_layer(
             ]
         )
         sample = slice(0, min(len(x), 8))
-        _init_alignment(module, full_attention_scores(original, x[sample], cos_sin), prev_scores[sample], matching)
+        module.align.mix.copy_(alignment_mix(full_attention_scores(original, x[sample], cos_sin), prev_scores[sample], matching))
     target_power = target.pow(2).mean(dim=(1, 2)).mean()
 
     trainable = [p for p in module.parameters() if p.requires_grad]

@@ -153,3 +153,41 @@ def test_interrupted_write_leaves_nothing(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         write_output_dir(tmp_path / "o", overwrite=False, write=crash)
     assert not (tmp_path / "o").exists() and no_partial_dirs(tmp_path)
+
+
+def test_eval_and_analyze_commands(tiny_llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("HFCOMPRESS_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    converted = run_cli(str(tiny_llama_dir), "--out", str(out), "--max-ppl-increase", "1000", "--no-probe", *FAST)
+    assert converted.exit_code == 0, converted.output
+    result_path = tmp_path / "eval.json"
+    result = runner.invoke(
+        app, ["eval", str(out), "--baseline", str(tiny_llama_dir), "--eval-tokens", "512", "--json", str(result_path)]
+    )
+    assert result.exit_code == 0, result.output
+    measured = json.loads(result_path.read_text())
+    report = json.loads((out / "hfcompress_report.json").read_text())
+    # same tokens, same windows: eval reproduces the perplexities convert recorded
+    assert measured["models"]["baseline"]["perplexity"]["perplexity"] == pytest.approx(
+        report["validation"]["original"]["perplexity"], rel=1e-4
+    )
+    assert measured["models"]["model"]["perplexity"]["perplexity"] == pytest.approx(
+        report["validation"]["converted"]["perplexity"], rel=1e-4
+    )
+    for entry in measured["models"].values():
+        assert entry["speed"]["decode_tokens_per_s"] > 0 and entry["probe"]["total"] >= 50
+
+    plot = tmp_path / "sim.png"
+    analysis = runner.invoke(
+        app, ["analyze", str(tiny_llama_dir), "--plot", str(plot), "--calib-sequences", "6", "--seq-len", "64",
+              "--protect-first", "1", "--json", str(tmp_path / "a.json")]
+    )
+    assert analysis.exit_code == 0, analysis.output
+    assert plot.stat().st_size > 1000
+    rows = json.loads((tmp_path / "a.json").read_text())["similarity"]
+    assert [r["layer"] for r in rows] == [1, 2, 3] and all(0 <= r["js_best_match"] <= r["js_same_head"] + 1e-6 for r in rows)
+
+
+def test_eval_refuses_foreign_code_without_flag(tmp_path):
+    result = runner.invoke(app, ["eval", "someone/model"])
+    assert result.exit_code == 2 and "--trust-remote-code" in result.output

@@ -1,0 +1,82 @@
+"""`hfcompress eval`: perplexity, factual probe and speed of a converted model, optionally beside a baseline."""
+
+from pathlib import Path
+
+import torch
+from rich.table import Table
+
+from .errors import HfcompressError
+from .probe import run_probe
+from .progress import console
+from .source import load_source, resolve_source
+from .speed import compare_speed
+from .text import BUILTIN_TEXT_NAME, builtin_text, read_text_file, tokenize, tokenize_split
+from .validate import perplexity
+
+
+def load_converted(model: str, trust_remote_code: bool):
+    """A converted model (directory or Hub id) through AutoModelForCausalLM, as users load it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(model)
+    ours = (path / "hfcompress_report.json").is_file()
+    if not (ours or trust_remote_code):
+        raise HfcompressError(
+            f"{model} is not a local hfcompress output; pass --trust-remote-code to run the code it ships."
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        loaded = AutoModelForCausalLM.from_pretrained(model, trust_remote_code=True, dtype=torch.float32)
+    except OSError as err:
+        raise HfcompressError(f"Cannot load {model}: {err}".splitlines()[0]) from err
+    return loaded.eval(), tokenizer
+
+
+def evaluate(
+    model_name: str,
+    baseline: str | None,
+    eval_text: Path | None,
+    context: int,
+    stride: int | None,
+    eval_tokens: int | None,
+    speed: bool,
+    probe: bool,
+    trust_remote_code: bool,
+) -> dict:
+    models = {}
+    converted, tokenizer = load_converted(model_name, trust_remote_code)
+    if baseline:
+        models["baseline"], _ = load_source(resolve_source(baseline))
+    models["model"] = converted
+    if eval_text:
+        ids, text_name = tokenize(tokenizer, read_text_file(eval_text)), str(eval_text)
+    else:
+        ids, text_name = tokenize_split(tokenizer, builtin_text(), BUILTIN_TEXT_NAME).held_out, f"{BUILTIN_TEXT_NAME}, held-out"
+    result: dict = {"eval_text": text_name, "models": {}}
+    for name, model in models.items():
+        entry = {"perplexity": perplexity(model, ids, context, stride, eval_tokens, label=f"perplexity: {name}").to_dict()}
+        if probe:
+            entry["probe"] = {k: v for k, v in run_probe(model, tokenizer).to_dict().items() if k != "per_fact"}
+        result["models"][name] = entry
+    if speed:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        prompt = ids[:512].unsqueeze(0).to(device)
+        for model in models.values():
+            model.to(device)
+        for name, measured in compare_speed(models, prompt).items():
+            result["models"][name]["speed"] = measured.to_dict()
+        result["device"] = str(device)
+
+    table = Table(title=f"hfcompress eval ({text_name})")
+    for column in ("model", "perplexity", "probe", "prefill tok/s", "decode tok/s"):
+        table.add_column(column)
+    for name, entry in result["models"].items():
+        table.add_row(
+            name,
+            f"{entry['perplexity']['perplexity']:.3f}",
+            f"{entry['probe']['correct']}/{entry['probe']['total']}" if "probe" in entry else "-",
+            f"{entry['speed']['prefill_tokens_per_s']:.0f}" if "speed" in entry else "-",
+            f"{entry['speed']['decode_tokens_per_s']:.1f}" if "speed" in entry else "-",
+        )
+    console.print(table)
+    return result

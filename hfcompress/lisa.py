@@ -23,14 +23,14 @@ from .remote import import_remote
 
 @dataclass
 class LisaOptions:
-    share_ratio: float = 0.5
+    share_ratio: float = 0.2
     layers: list[int] | None = None  # explicit choice overrides share_ratio
     protect_first: int = 2  # shallow layers are never shared
     qk_compression: float = 6.0  # shared Q/K parameters >= this many times smaller than W_Q + W_K
     align_hidden: int = 16  # FFN width across heads; 0 = linear head mix only
-    steps: int = 150
+    steps: int = 100
     batch_size: int = 4
-    lr: float = 3e-3
+    lr: float = 1e-2
     seed: int = 0
 
 

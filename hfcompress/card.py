@@ -17,7 +17,7 @@ def render_card(report: dict, repo_id: str) -> ModelCard:
     fasc = report["fasc"]
     similarity = {row["layer"]: row for row in lisa["similarity"]}
     card_data = ModelCardData(
-        base_model=source["repo_id"] if source.get("repo_id") else None,
+        base_model=source.get("base_model"),
         library_name="transformers",
         pipeline_tag="text-generation",
         tags=["hfcompress", "lisa", "fasc", "custom_code", "llama"],

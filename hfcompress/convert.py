@@ -21,6 +21,7 @@ from .calibrate import cache_key, collect_attention_inputs, collect_linear_stats
 from .card import write_card
 from .errors import HfcompressError
 from .fasc import FascOptions, compress_linears
+from .heal import heal_with_lora, tune_lisa_end_to_end
 from .lisa import LisaOptions, fit_lisa, lowrank_rank, measure_similarity, select_layers
 from .plots import fasc_ranks_and_rho, perplexity_bars, similarity_heatmap
 from .probe import run_probe
@@ -53,6 +54,8 @@ class ConvertOptions:
     cache_dir: Path = field(default_factory=lambda: Path(os.environ.get("HFCOMPRESS_CACHE", "~/.cache/hfcompress")).expanduser())
     seed: int = 0
     probe: bool = True  # factual-recall probe on original and converted
+    heal_steps: int = 0  # LoRA distillation steps after FASC (0 = no healing)
+    lisa_tune_steps: int = 0  # joint end-to-end distillation steps of all shared layers (0 = off)
     lisa: LisaOptions = field(default_factory=LisaOptions)
     fasc: FascOptions = field(default_factory=FascOptions)
 
@@ -187,6 +190,17 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> dict:
     with _step("build", timings):
         converted = build_converted_model(model, fitted, fasc_factors)
 
+    if options.lisa_tune_steps and fitted:
+        with _step("lisa: end-to-end tuning", timings):
+            lisa_tuning = tune_lisa_end_to_end(converted, model, sequences, options.lisa_tune_steps, seed=options.seed)
+    else:
+        lisa_tuning = None
+
+    healing = None
+    if options.heal_steps:
+        with _step("heal", timings):
+            converted, healing = heal_with_lora(converted, model, sequences, options.heal_steps, seed=options.seed)
+
     probe = {}
     if options.probe:
         with _step("validate: factual probe", timings):
@@ -227,6 +241,7 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> dict:
             "options": asdict(options.lisa),
             "similarity": [s.to_dict() for s in similarity],
             "fitted": [{k: v for k, v in asdict(f).items() if k != "state"} for f in fitted],
+            "end_to_end_tuning": lisa_tuning,
             "qk_compression_measured": (dense_qk / max(shared_qk)) if shared_qk else None,
         },
         "fasc": {
@@ -234,6 +249,7 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> dict:
             "budget": options.fasc.budget,
             "targets": list(options.fasc.targets),
             "layers": [r.to_dict() for r in fasc_results],
+            "healing": healing,
         },
         "parameters": {"original": params_original, "converted": params_converted},
         "validation": {

@@ -16,6 +16,7 @@ from .errors import HfcompressError
 
 BUILTIN_SOURCE = "smollm2-135m-instruct"
 BUILTIN_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUILTIN_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the GGUF was quantised from
 SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM"}
 # Only what a Llama checkpoint needs: no *.bin pickles, no .pth, no source code.
 HUB_ALLOW_PATTERNS = [
@@ -40,6 +41,7 @@ class ResolvedSource:
     repo_id: str | None = None
     revision: str | None = None
     commit_sha: str | None = None
+    base_model: str | None = None  # Hub id for the card's base_model, when known
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -127,7 +129,8 @@ def _resolve_hub(repo_id: str, revision: str | None, token: str | None) -> Resol
     except HfHubHTTPError as err:
         raise HfcompressError(f"The Hub refused the download of {repo_id}: {err.server_message or err}.") from err
     return ResolvedSource(
-        kind="hub", name=repo_id, path=path, repo_id=repo_id, revision=revision or "main", commit_sha=info.sha
+        kind="hub", name=repo_id, path=path, repo_id=repo_id, revision=revision or "main", commit_sha=info.sha,
+        base_model=repo_id,
     )
 
 
@@ -140,7 +143,9 @@ def resolve_source(source: str, revision: str | None = None, token: str | None =
     """Turn what the user typed into local files, downloading only what a Llama checkpoint needs."""
     if source == BUILTIN_SOURCE:
         gguf = _builtin_gguf()
-        return ResolvedSource(kind="gguf", name=BUILTIN_SOURCE, path=str(gguf.parent), gguf_file=gguf.name)
+        return ResolvedSource(
+            kind="gguf", name=BUILTIN_SOURCE, path=str(gguf.parent), gguf_file=gguf.name, base_model=BUILTIN_BASE_MODEL
+        )
     path = Path(source).expanduser()
     if path.is_dir():
         return _resolve_local_dir(path.resolve(), source)
@@ -167,8 +172,10 @@ def _resolve_hub_offline(repo_id: str, revision: str | None) -> ResolvedSource:
     except LocalEntryNotFoundError as err:
         raise HfcompressError(f"HF_HUB_OFFLINE=1 and {repo_id} is not in the local Hub cache.") from err
     _resolve_local_dir(Path(path), repo_id)
-    return ResolvedSource(kind="hub", name=repo_id, path=path, repo_id=repo_id, revision=revision or "main",
-                          commit_sha=Path(path).name)
+    return ResolvedSource(
+        kind="hub", name=repo_id, path=path, repo_id=repo_id, revision=revision or "main",
+        commit_sha=Path(path).name, base_model=repo_id,
+    )
 
 
 def load_source(source: ResolvedSource, dtype: torch.dtype = torch.float32):

@@ -62,7 +62,8 @@ def test_hub_round_trip(tiny_llama_dir, hub_api, hub_env, local_hub, tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "lisa_llama" and config["auto_map"]["AutoModelForCausalLM"]
     card = (out / "README.md").read_text()
-    for needle in ("hfcompress", "custom_code", "model-index", "perplexity", "trust_remote_code=True", target_repo):
+    for needle in ("hfcompress", "custom_code", "model-index", "perplexity", "trust_remote_code=True", target_repo,
+                   f"base_model: {source_repo}"):
         assert needle in card
 
     remote_files = set(local_hub.files(target_repo, "main"))
@@ -158,7 +159,9 @@ def test_interrupted_write_leaves_nothing(tmp_path):
 def test_eval_and_analyze_commands(tiny_llama_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("HFCOMPRESS_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "out"
-    converted = run_cli(str(tiny_llama_dir), "--out", str(out), "--max-ppl-increase", "1000", "--no-probe", *FAST)
+    converted = run_cli(
+        str(tiny_llama_dir), "--out", str(out), "--max-ppl-increase", "1000", "--no-probe", "--heal-steps", "3", *FAST
+    )
     assert converted.exit_code == 0, converted.output
     result_path = tmp_path / "eval.json"
     result = runner.invoke(
@@ -167,6 +170,7 @@ def test_eval_and_analyze_commands(tiny_llama_dir, tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     measured = json.loads(result_path.read_text())
     report = json.loads((out / "hfcompress_report.json").read_text())
+    assert report["fasc"]["healing"]["steps"] == 3  # LoRA merged: the reload check inside convert passed
     # same tokens, same windows: eval reproduces the perplexities convert recorded
     assert measured["models"]["baseline"]["perplexity"]["perplexity"] == pytest.approx(
         report["validation"]["original"]["perplexity"], rel=1e-4
@@ -191,3 +195,14 @@ def test_eval_and_analyze_commands(tiny_llama_dir, tmp_path, monkeypatch):
 def test_eval_refuses_foreign_code_without_flag(tmp_path):
     result = runner.invoke(app, ["eval", "someone/model"])
     assert result.exit_code == 2 and "--trust-remote-code" in result.output
+
+
+def test_output_dir_has_ordinary_permissions(tmp_path):
+    import os
+
+    from hfcompress.build import write_output_dir
+
+    out = write_output_dir(tmp_path / "o", overwrite=False, write=lambda d: (d / "x").write_text("1"))
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask

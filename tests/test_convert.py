@@ -160,7 +160,8 @@ def test_eval_and_analyze_commands(tiny_llama_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("HFCOMPRESS_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "out"
     converted = run_cli(
-        str(tiny_llama_dir), "--out", str(out), "--max-ppl-increase", "1000", "--no-probe", "--heal-steps", "3", *FAST
+        str(tiny_llama_dir), "--out", str(out), "--max-ppl-increase", "1000", "--no-probe", "--heal-steps", "3",
+        "--lisa-tune-steps", "2", *FAST
     )
     assert converted.exit_code == 0, converted.output
     result_path = tmp_path / "eval.json"
@@ -171,6 +172,7 @@ def test_eval_and_analyze_commands(tiny_llama_dir, tmp_path, monkeypatch):
     measured = json.loads(result_path.read_text())
     report = json.loads((out / "hfcompress_report.json").read_text())
     assert report["fasc"]["healing"]["steps"] == 3  # LoRA merged: the reload check inside convert passed
+    assert report["lisa"]["end_to_end_tuning"]["steps"] == 2
     # same tokens, same windows: eval reproduces the perplexities convert recorded
     assert measured["models"]["baseline"]["perplexity"]["perplexity"] == pytest.approx(
         report["validation"]["original"]["perplexity"], rel=1e-4

@@ -62,7 +62,7 @@ def decompose(weight: torch.Tensor, stats: LinearStats, method: str) -> Decompos
     """Ordered components of W for `method`; float64 throughout."""
     if method not in METHODS:
         raise HfcompressError(f"Unknown --fasc-method '{method}': choose one of {', '.join(METHODS)}.")
-    w = weight.double()
+    w = weight.detach().double()
     c, g = stats.covariances()
     if method == "pca":
         eigval, eigvec = torch.linalg.eigh(c)

@@ -234,7 +234,7 @@ def fit_shared_layer(
         )
         sample = slice(0, min(len(x), 8))
         module.align.mix.copy_(alignment_mix(full_attention_scores(original, x[sample], cos_sin), prev_scores[sample], matching))
-    target_power = target.pow(2).mean(dim=(1, 2)).mean()
+    target_power = target.pow(2).mean()
 
     trainable = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(trainable, lr=options.lr)
@@ -278,8 +278,7 @@ def _scores_of(module: nn.Module, x: torch.Tensor, prev_scores: torch.Tensor | N
     parts = []
     for i in range(0, len(x), batch_size):
         xb = x[i : i + batch_size]
-        q_lr, k_lr = module.lowrank_qk(xb, positions.expand(len(xb), -1))
-        parts.append(module.align(prev_scores[i : i + batch_size]) + torch.matmul(q_lr, k_lr.transpose(2, 3)) * module.rank**-0.5)
+        parts.append(module.scores(prev_scores[i : i + batch_size], *module.lowrank_qk(xb, positions.expand(len(xb), -1))))
     return torch.cat(parts)
 
 

@@ -205,6 +205,10 @@ class LisaSharedAttention(nn.Module):
         cos, sin = self.lowrank_rotary(position_ids, hidden_states.dtype)
         return apply_rotary_pos_emb(q_lr, k_lr, cos, sin)
 
+    def scores(self, prev_scores: torch.Tensor, q_lr: torch.Tensor, k_lr: torch.Tensor) -> torch.Tensor:
+        """Pre-softmax scores S_l = Align(S_{l-1}) + q_lr k_lr^T / sqrt(r)."""
+        return self.align(prev_scores) + torch.matmul(q_lr, k_lr.transpose(2, 3)) * self.rank**-0.5
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -223,7 +227,7 @@ class LisaSharedAttention(nn.Module):
         if fused_lisa_decode is not None and q_lr.shape[2] == 1 and triton_available(q_lr):
             attn_output, scores = fused_lisa_decode(self, prev_scores, q_lr, k_lr, value, additive_mask)
         else:
-            scores = self.align(prev_scores) + torch.matmul(q_lr, k_lr.transpose(2, 3)) * self.rank**-0.5
+            scores = self.scores(prev_scores, q_lr, k_lr)
             attn_output = softmax_attention(scores, additive_mask, value, self.num_key_value_groups)
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         return self.o_proj(attn_output), scores

@@ -9,6 +9,17 @@ from .remote import cards_dir
 TEMPLATE = "model_card.md.j2"
 
 
+def _perplexity_result(validation: dict, model: str, name: str) -> EvalResult:
+    return EvalResult(
+        task_type="text-generation",
+        dataset_type="text",
+        dataset_name=validation["eval_text"],
+        metric_type="perplexity",
+        metric_value=round(validation[model]["perplexity"], 4),
+        metric_name=name,
+    )
+
+
 def render_card(report: dict, repo_id: str) -> ModelCard:
     """The model card of a conversion, from its report (see convert.py for the keys)."""
     source = report["source"]
@@ -23,22 +34,8 @@ def render_card(report: dict, repo_id: str) -> ModelCard:
         tags=["hfcompress", "lisa", "fasc", "custom_code", "llama"],
         model_name=repo_id,
         eval_results=[
-            EvalResult(
-                task_type="text-generation",
-                dataset_type="text",
-                dataset_name=validation["eval_text"],
-                metric_type="perplexity",
-                metric_value=round(validation["converted"]["perplexity"], 4),
-                metric_name="Perplexity (converted)",
-            ),
-            EvalResult(
-                task_type="text-generation",
-                dataset_type="text",
-                dataset_name=validation["eval_text"],
-                metric_type="perplexity",
-                metric_value=round(validation["original"]["perplexity"], 4),
-                metric_name="Perplexity (original base model)",
-            ),
+            _perplexity_result(validation, "converted", "Perplexity (converted)"),
+            _perplexity_result(validation, "original", "Perplexity (original base model)"),
         ],
     )
     return ModelCard.from_template(

@@ -25,7 +25,7 @@ def load_converted(model: str, trust_remote_code: bool):
             f"{model} is not a local hfcompress output; pass --trust-remote-code to run the code it ships."
         )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model)
+        tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=True)
         loaded = AutoModelForCausalLM.from_pretrained(model, trust_remote_code=True, dtype=torch.float32)
     except OSError as err:
         raise HfcompressError(f"Cannot load {model}: {err}".splitlines()[0]) from err

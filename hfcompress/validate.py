@@ -60,8 +60,9 @@ def perplexity(
 
 _RELOAD_SCRIPT = r"""
 import sys, torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 directory, ids_path, out_path = sys.argv[1:4]
+AutoTokenizer.from_pretrained(directory, trust_remote_code=True)  # as the card's usage snippet does
 model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, dtype=torch.float32)
 model.eval()
 with torch.no_grad():

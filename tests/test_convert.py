@@ -183,6 +183,17 @@ def test_eval_and_analyze_commands(tiny_llama_dir, tmp_path, monkeypatch):
     for entry in measured["models"].values():
         assert entry["speed"]["decode_tokens_per_s"] > 0 and entry["probe"]["total"] >= 50
 
+    from transformers import AutoModelForCausalLM, pipeline
+
+    generator = pipeline("text-generation", model=str(out), trust_remote_code=True)
+    text = generator("The language reference", max_new_tokens=5, do_sample=False)[0]["generated_text"]
+    assert text.startswith("The language reference") and len(text) > len("The language reference")
+    ids = torch.arange(3, 30).unsqueeze(0)
+    with torch.no_grad():
+        fp32 = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32)(ids).logits
+        bf16 = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.bfloat16)(ids).logits
+    assert bf16.dtype == torch.bfloat16 and (bf16.float() - fp32).abs().max() < 0.1 * fp32.abs().max()
+
     plot = tmp_path / "sim.png"
     analysis = runner.invoke(
         app, ["analyze", str(tiny_llama_dir), "--plot", str(plot), "--calib-sequences", "6", "--seq-len", "64",

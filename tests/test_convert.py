@@ -219,3 +219,9 @@ def test_output_dir_has_ordinary_permissions(tmp_path):
     umask = os.umask(0)
     os.umask(umask)
     assert out.stat().st_mode & 0o777 == 0o777 & ~umask
+
+
+def test_push_refuses_incomplete_directory(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    result = runner.invoke(app, ["push", str(tmp_path), "me/x"])
+    assert result.exit_code == 2 and "not a complete hfcompress output directory" in result.output

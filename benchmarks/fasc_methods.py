@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 from hfcompress.build import build_converted_model, parameter_counts
-from hfcompress.calibrate import cache_key, collect_linear_stats, load_or_compute
 from hfcompress.convert import ConvertOptions, prepare
 from hfcompress.fasc import DEFAULT_TARGETS, FascOptions, compress_linears
 from hfcompress.heal import heal_with_lora
@@ -33,14 +32,10 @@ def main() -> None:
 
     prepared = prepare(ConvertOptions(source=args.source, out=Path("."), calib_sequences=args.calib_sequences))
     model, tokenizer = prepared.model, prepared.tokenizer
-    names = [f"{i}.{t}" for i in range(model.config.num_hidden_layers) for t in args.targets]
     start = time.perf_counter()
-    stats = load_or_compute(
-        prepared.cache / f"linear_stats-{cache_key(sorted(names))}.pt",
-        lambda: collect_linear_stats(model, prepared.sequences, names),
-    )
+    stats = prepared.linear_stats(tuple(args.targets), seed=0)
     stats_seconds = time.perf_counter() - start
-    linears = {name: model.model.layers.get_submodule(name) for name in names}
+    linears = {name: model.model.layers.get_submodule(name) for name in stats}
     targeted = sum(l.weight.numel() for l in linears.values())
     base_ppl = perplexity(model, prepared.eval_ids, 512, max_tokens=args.eval_tokens).perplexity
     base_probe = run_probe(model, tokenizer)

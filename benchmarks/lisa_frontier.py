@@ -11,10 +11,9 @@ import time
 from pathlib import Path
 
 from hfcompress.build import build_converted_model, parameter_counts
-from hfcompress.calibrate import collect_attention_inputs, load_or_compute
 from hfcompress.convert import ConvertOptions, prepare
 from hfcompress.heal import tune_lisa_end_to_end
-from hfcompress.lisa import LisaOptions, fit_lisa, measure_similarity, select_layers
+from hfcompress.lisa import LisaOptions, fit_lisa, select_layers
 from hfcompress.source import BUILTIN_SOURCE
 from hfcompress.validate import perplexity
 
@@ -34,8 +33,8 @@ def main() -> None:
     options = ConvertOptions(source=args.source, out=Path("."), calib_sequences=args.calib_sequences)
     prepared = prepare(options)
     model = prepared.model
-    attn_inputs = load_or_compute(prepared.cache / "attention_inputs.pt", lambda: collect_attention_inputs(model, prepared.sequences))
-    similarity = load_or_compute(prepared.cache / "similarity.pt", lambda: measure_similarity(model, attn_inputs))
+    attn_inputs = prepared.attention_inputs()
+    similarity = prepared.similarity(attn_inputs)
     base = perplexity(model, prepared.eval_ids, 512, max_tokens=args.eval_tokens).perplexity
     qk_original = parameter_counts(model)["attention_qk"]
     rows = []

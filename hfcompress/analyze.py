@@ -8,10 +8,9 @@ from pathlib import Path
 
 from rich.table import Table
 
-from .calibrate import collect_attention_inputs, collect_linear_stats, cache_key, load_or_compute
 from .convert import ConvertOptions, prepare
 from .fasc import dependence_violation
-from .lisa import measure_similarity, select_layers
+from .lisa import select_layers
 from .plots import similarity_heatmap
 from .progress import console
 
@@ -19,19 +18,12 @@ from .progress import console
 def analyze(options: ConvertOptions, plot: Path, json_path: Path | None, with_rho: bool) -> dict:
     prepared = prepare(options)
     model = prepared.model
-    attn_inputs = load_or_compute(
-        prepared.cache / "attention_inputs.pt", lambda: collect_attention_inputs(model, prepared.sequences)
-    )
-    similarity = load_or_compute(prepared.cache / "similarity.pt", lambda: measure_similarity(model, attn_inputs))
+    similarity = prepared.similarity(prepared.attention_inputs())
     num_layers = model.config.num_hidden_layers
     chosen = select_layers(similarity, num_layers, options.lisa)
     rho = {}
     if with_rho:
-        targets = [f"{i}.{t}" for i in range(num_layers) for t in options.fasc.targets]
-        stats = load_or_compute(
-            prepared.cache / f"linear_stats-{cache_key(sorted(targets))}.pt",
-            lambda: collect_linear_stats(model, prepared.sequences, targets, seed=options.seed),
-        )
+        stats = prepared.linear_stats(options.fasc.targets, options.seed)
         rho = {name: dependence_violation(entry) for name, entry in stats.items()}
 
     table = Table(title=f"{prepared.source.name}: attention similarity to the previous layer (JS, nats)")

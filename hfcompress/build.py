@@ -79,15 +79,19 @@ def parameter_counts(model: nn.Module) -> dict[str, int]:
     return counts
 
 
+def refuse_existing_output(out_dir: Path, overwrite: bool) -> Path:
+    if out_dir.exists() and not overwrite:
+        raise HfcompressError(f"Output directory {out_dir} already exists: pass --overwrite or choose another --out.")
+    return out_dir
+
+
 def write_output_dir(out_dir: Path, overwrite: bool, write: Callable[[Path], None]) -> Path:
     """Run `write(tmp)` into a temporary sibling directory and rename it into place only when it succeeded.
 
     A crash, Ctrl-C or full disk leaves no directory at `out_dir` that looks complete; an existing output is
     replaced only after the new one is complete.
     """
-    out_dir = out_dir.resolve()
-    if out_dir.exists() and not overwrite:
-        raise HfcompressError(f"Output directory {out_dir} already exists: pass --overwrite or choose another --out.")
+    out_dir = refuse_existing_output(out_dir.resolve(), overwrite)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
     try:

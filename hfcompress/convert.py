@@ -16,13 +16,13 @@ from pathlib import Path
 import torch
 
 from . import __version__
-from .build import build_converted_model, parameter_counts, save_model_files, write_output_dir
+from .build import build_converted_model, parameter_counts, refuse_existing_output, save_model_files, write_output_dir
 from .calibrate import cache_key, collect_attention_inputs, collect_linear_stats, load_or_compute, tensor_fingerprint
 from .card import write_card
 from .errors import HfcompressError
 from .fasc import FascOptions, compress_linears
 from .heal import heal_with_lora, tune_lisa_end_to_end
-from .lisa import LisaOptions, fit_lisa, lowrank_rank, measure_similarity, select_layers
+from .lisa import LisaOptions, fit_lisa, measure_similarity, select_layers
 from .plots import fasc_ranks_and_rho, perplexity_bars, similarity_heatmap
 from .probe import run_probe
 from .progress import console
@@ -128,6 +128,20 @@ class Prepared:
     eval_name: str
     cache: Path  # calibration cache of this (model, text, settings)
 
+    def attention_inputs(self) -> list[torch.Tensor]:
+        return load_or_compute(self.cache / "attention_inputs.pt", lambda: collect_attention_inputs(self.model, self.sequences))
+
+    def similarity(self, attn_inputs: list[torch.Tensor]) -> list:
+        return load_or_compute(self.cache / "similarity.pt", lambda: measure_similarity(self.model, attn_inputs))
+
+    def linear_stats(self, targets: tuple[str, ...], seed: int) -> dict:
+        """FASC statistics of `targets` (e.g. "mlp.down_proj") in every layer, keyed "layer.target"."""
+        names = [f"{i}.{t}" for i in range(self.model.config.num_hidden_layers) for t in targets]
+        return load_or_compute(
+            self.cache / f"linear_stats-{cache_key(sorted(names), seed)}.pt",
+            lambda: collect_linear_stats(self.model, self.sequences, names, seed=seed),
+        )
+
 
 def prepare(options: ConvertOptions, token: str | None = None) -> Prepared:
     """Resolve and load SOURCE, tokenise calibration and evaluation text."""
@@ -151,9 +165,7 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> dict:
     timings: dict[str, float] = {}
     torch.manual_seed(options.seed)
     token = require_token() if options.push_to else None  # fail before an hour of work, not after
-    out_dir = Path(options.out).expanduser().resolve()
-    if out_dir.exists() and not options.overwrite:
-        raise HfcompressError(f"Output directory {out_dir} already exists: pass --overwrite or choose another --out.")
+    out_dir = refuse_existing_output(Path(options.out).expanduser().resolve(), options.overwrite)
 
     with _step("fetch", timings):
         prepared = prepare(options, token)
@@ -162,16 +174,9 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> dict:
     num_layers = model.config.num_hidden_layers
 
     with _step("calibrate", timings):
-        attn_inputs = load_or_compute(cache / "attention_inputs.pt", lambda: collect_attention_inputs(model, sequences))
-        similarity = load_or_compute(cache / "similarity.pt", lambda: measure_similarity(model, attn_inputs))
-        fasc_targets = [f"{i}.{t}" for i in range(num_layers) for t in options.fasc.targets]
-        fasc_stats = None
-        if options.fasc.budget < 1.0:
-            stats_key = cache_key(sorted(fasc_targets))
-            fasc_stats = load_or_compute(
-                cache / f"linear_stats-{stats_key}.pt",
-                lambda: collect_linear_stats(model, sequences, fasc_targets, seed=options.seed),
-            )
+        attn_inputs = prepared.attention_inputs()
+        similarity = prepared.similarity(attn_inputs)
+        fasc_stats = prepared.linear_stats(options.fasc.targets, options.seed) if options.fasc.budget < 1.0 else None
 
     with _step("lisa", timings):
         chosen = select_layers(similarity, num_layers, options.lisa)
@@ -184,7 +189,7 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> dict:
     with _step("fasc", timings):
         fasc_factors, fasc_results = {}, []
         if fasc_stats is not None:
-            linears = {name: model.model.layers.get_submodule(name) for name in fasc_targets}
+            linears = {name: model.model.layers.get_submodule(name) for name in fasc_stats}
             fasc_factors, fasc_results = compress_linears(linears, fasc_stats, options.fasc)
 
     with _step("build", timings):
@@ -217,7 +222,6 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> dict:
     )
 
     params_original, params_converted = parameter_counts(model), parameter_counts(converted)
-    rank = lowrank_rank(model.config, options.lisa.qk_compression) if fitted else None
     dense_qk = params_original["attention_qk"] // num_layers
     shared_qk = [
         sum(v.numel() for k, v in f.state.items() if any(t in k for t in ("q_lowrank", "k_lowrank", "align")))
@@ -237,7 +241,7 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> dict:
         },
         "lisa": {
             "layers": chosen,
-            "rank": rank,
+            "rank": fitted[0].rank if fitted else None,
             "options": asdict(options.lisa),
             "similarity": [s.to_dict() for s in similarity],
             "fitted": [{k: v for k, v in asdict(f).items() if k != "state"} for f in fitted],

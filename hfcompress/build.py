@@ -112,9 +112,16 @@ def write_output_dir(out_dir: Path, overwrite: bool, write: Callable[[Path], Non
     return out_dir
 
 
-def save_model_files(model: nn.Module, tokenizer, generation_config, directory: Path) -> None:
-    """Weights (safetensors), config with auto_map, remote-code files, tokenizer and generation config."""
-    model.save_pretrained(directory, safe_serialization=True)
+def save_model_files(
+    model: nn.Module, tokenizer, generation_config, directory: Path, dtype: torch.dtype = torch.float32
+) -> None:
+    """Weights (safetensors, in `dtype`), config with auto_map, remote-code files, tokenizer, generation config."""
+    working_dtype = next(model.parameters()).dtype
+    model.to(dtype)
+    try:
+        model.save_pretrained(directory, safe_serialization=True)
+    finally:
+        model.to(working_dtype)  # the reload check compares against the (already rounded) working copy
     tokenizer.save_pretrained(directory)
     if generation_config is not None:
         generation_config.save_pretrained(directory)

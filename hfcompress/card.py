@@ -74,6 +74,8 @@ def render_card(report: dict, repo_id: str) -> ModelCard:
         torch_version=report["versions"]["torch"],
         wall_seconds=report["wall_seconds"],
         hardware=report["hardware"],
+        speed=report.get("speed"),
+        dtype=report.get("dtype", "float32"),
     )
 
 

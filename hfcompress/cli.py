@@ -81,6 +81,8 @@ def convert(
     eval_tokens: int = typer.Option(4096, help="Tokens of held-out text scored for perplexity."),
     seed: int = typer.Option(0, help="Random seed (fitting and probes)."),
     probe: bool = typer.Option(True, "--probe/--no-probe", help="Run the factual-recall probe on both models."),
+    speed: bool = typer.Option(True, "--speed/--no-speed", help="Measure prefill/decode tokens/s of both models side by side."),
+    dtype: str = typer.Option("auto", help="Saved weights: auto (the source's dtype; bfloat16 for GGUF), float32, bfloat16, float16."),
 ) -> None:
     """Convert SOURCE into a LisaLlama model, validate it, write --out and optionally push it."""
     from .convert import ConvertOptions
@@ -104,6 +106,8 @@ def convert(
             eval_tokens=eval_tokens,
             seed=seed,
             probe=probe,
+            speed=speed,
+            dtype=dtype,
             heal_steps=heal_steps,
             lisa_tune_steps=lisa_tune_steps,
             lisa=LisaOptions(

@@ -6,7 +6,6 @@ report dict that is saved as `hfcompress_report.json` and rendered into the card
 
 import json
 import os
-import platform
 import shlex
 import sys
 import time
@@ -23,11 +22,12 @@ from .errors import HfcompressError
 from .fasc import FascOptions, compress_linears
 from .heal import heal_with_lora, tune_lisa_end_to_end
 from .lisa import LisaOptions, fit_lisa, measure_similarity, select_layers
-from .plots import fasc_ranks_and_rho, perplexity_bars, similarity_heatmap
+from .plots import fasc_ranks_and_rho, perplexity_bars, similarity_heatmap, speed_bars
 from .probe import run_probe
 from .progress import console
 from .push import push_folder, require_token
 from .source import ResolvedSource, load_source, resolve_source
+from .speed import hardware_description, measure_speed
 from .text import BUILTIN_TEXT_NAME, builtin_text, chunk, read_text_file, tokenize, tokenize_split
 from .validate import compare_reload, perplexity
 
@@ -56,6 +56,8 @@ class ConvertOptions:
     probe: bool = True  # factual-recall probe on original and converted
     heal_steps: int = 0  # LoRA distillation steps after FASC (0 = no healing)
     lisa_tune_steps: int = 0  # joint end-to-end distillation steps of all shared layers (0 = off)
+    dtype: str = "auto"  # dtype of the saved weights: auto | float32 | bfloat16 | float16
+    speed: bool = True  # measure prefill/decode speed of original and converted side by side
     lisa: LisaOptions = field(default_factory=LisaOptions)
     fasc: FascOptions = field(default_factory=FascOptions)
 
@@ -77,14 +79,25 @@ def _versions() -> dict:
         "transformers": transformers.__version__,
         "huggingface_hub": huggingface_hub.__version__,
         "torch": torch.__version__,
-        "python": platform.python_version(),
+        "python": sys.version.split()[0],
     }
 
 
-def hardware_description() -> str:
-    if torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name(0)} (CUDA)"
-    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+OUTPUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def output_dtype(requested: str, source: ResolvedSource) -> torch.dtype:
+    """The saved weights' dtype: as requested, or for "auto" the dtype the source checkpoint declares
+    (a GGUF declares none: its dequantised weights are saved as bfloat16, the dtype Llama checkpoints ship in)."""
+    if requested != "auto":
+        if requested not in OUTPUT_DTYPES:
+            raise HfcompressError(f"Unknown --dtype '{requested}': choose auto, {', '.join(OUTPUT_DTYPES)}.")
+        return OUTPUT_DTYPES[requested]
+    config_path = Path(source.path) / "config.json"
+    if source.gguf_file or not config_path.is_file():
+        return torch.bfloat16
+    config = json.loads(config_path.read_text())
+    return OUTPUT_DTYPES.get(config.get("dtype") or config.get("torch_dtype") or "float32", torch.float32)
 
 
 def _step(name: str, timings: dict):
@@ -112,6 +125,9 @@ def write_plots(report: dict, directory: Path) -> dict[str, str]:
     validation = report["validation"]
     perplexity_bars(validation["original"]["perplexity"], validation["converted"]["perplexity"], directory / "perplexity.png")
     plots["perplexity"] = "plots/perplexity.png"
+    if report["speed"]:
+        speed_bars(report["speed"], directory / "speed.png")
+        plots["speed"] = "plots/speed.png"
     return plots
 
 
@@ -172,6 +188,7 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> dict:
     source, model, tokenizer, cache = prepared.source, prepared.model, prepared.tokenizer, prepared.cache
     sequences, eval_ids, eval_name, calib_name = prepared.sequences, prepared.eval_ids, prepared.eval_name, prepared.calib_name
     num_layers = model.config.num_hidden_layers
+    saved_dtype = output_dtype(options.dtype, source)
 
     with _step("calibrate", timings):
         attn_inputs = prepared.attention_inputs()
@@ -206,6 +223,9 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> dict:
         with _step("heal", timings):
             converted, healing = heal_with_lora(converted, model, sequences, options.heal_steps, seed=options.seed)
 
+    if saved_dtype != torch.float32:  # validate the weights that will be saved, rounded to their dtype
+        converted.to(saved_dtype).float()
+
     probe = {}
     if options.probe:
         with _step("validate: factual probe", timings):
@@ -220,6 +240,11 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> dict:
         f"perplexity {ppl_original.perplexity:.3f} -> {ppl_converted.perplexity:.3f} ({increase:+.2f}%), "
         f"limit +{options.max_ppl_increase:g}%"
     )
+
+    speed = None
+    if options.speed:
+        with _step("validate: speed", timings):
+            speed = measure_speed(model, converted, eval_ids, gpu_dtype=saved_dtype)
 
     params_original, params_converted = parameter_counts(model), parameter_counts(converted)
     dense_qk = params_original["attention_qk"] // num_layers
@@ -268,13 +293,15 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> dict:
                 name: {k: result[k] for k in ("correct", "total", "accuracy")} for name, result in probe.items()
             },
         },
+        "speed": speed,
+        "dtype": str(saved_dtype).removeprefix("torch."),
         "timings": timings,
     }
     repo_id = options.push_to or f"{out_dir.name}"
     probe_ids = eval_ids[: min(64, len(eval_ids))].unsqueeze(0)
 
     def write(directory: Path) -> None:
-        save_model_files(converted, tokenizer, getattr(model, "generation_config", None), directory)
+        save_model_files(converted, tokenizer, getattr(model, "generation_config", None), directory, saved_dtype)
         with _step("validate: fresh-process reload", timings):
             report["validation"]["reload"] = compare_reload(converted, directory, probe_ids)
         if report["validation"]["reload"]["max_abs_logit_diff"] > 1e-4:

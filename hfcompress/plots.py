@@ -54,3 +54,20 @@ def perplexity_bars(original: float, converted: float, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def speed_bars(speed: dict, path: Path) -> Path:
+    """Prefill and decode tokens/s of original and converted, measured side by side (see speed.py)."""
+    fig, axes = plt.subplots(1, 2, figsize=(6.5, 3))
+    for ax, phase, label in ((axes[0], "prefill", f"prefill ({speed['original']['prefill_tokens']} tokens)"), (axes[1], "decode", "decode")):
+        values = [speed[name][f"{phase}_tokens_per_s"] for name in ("original", "converted")]
+        ax.bar(["original", "converted"], values, color=["tab:gray", "tab:green"])
+        for x, value in enumerate(values):
+            ax.text(x, value, f"{value:.1f}", ha="center", va="bottom")
+        ax.set_title(f"{label}: {speed[phase + '_speedup']:.2f}x")
+        ax.set_ylabel("tokens/s (median)")
+    fig.suptitle(speed["hardware"], fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,7 +1,10 @@
 """Side-by-side speed: prefill and decode tokens/s of two models in one process, same prompt, medians."""
 
+import os
+import platform
 import statistics
 import time
+from pathlib import Path
 from dataclasses import asdict, dataclass
 
 import torch
@@ -15,6 +18,8 @@ class SpeedResult:
     decode_tokens: int
     decode_tokens_per_s: float
     peak_memory_mb: float | None  # CUDA only; None on CPU
+    weights_mb: float  # parameters and buffers, tied weights once
+    cache_mb: float  # KV cache after the prompt and the decoded tokens
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -35,8 +40,34 @@ def _prefill_seconds(model: nn.Module, ids: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
+def hardware_description() -> str:
+    """What produced the speed figures, in words for the card."""
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)} (CUDA)"
+    model_name = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")]
+        model_name = names[0] if names else model_name
+    return f"CPU ({model_name}, {os.cpu_count()} cores, torch {torch.get_num_threads()} threads)"
+
+
+def _megabytes(tensors) -> float:
+    seen, total = set(), 0
+    for tensor in tensors:
+        if tensor is not None and tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            total += tensor.numel() * tensor.element_size()
+    return total / 2**20
+
+
+def _cache_megabytes(cache) -> float:
+    """Bytes held by a transformers Cache (a LISA layer holds low-rank K and V, a full layer K and V)."""
+    return _megabytes(t for layer in getattr(cache, "layers", []) for t in (getattr(layer, "keys", None), getattr(layer, "values", None)))
+
+
 @torch.no_grad()
-def _decode_seconds(model: nn.Module, ids: torch.Tensor, new_tokens: int) -> float:
+def _decode_seconds(model: nn.Module, ids: torch.Tensor, new_tokens: int, sizes: dict | None = None) -> float:
     """Time of `new_tokens` cached greedy decode steps after a prefill (the prefill is not timed)."""
     device = ids.device
     out = model(ids, use_cache=True, logits_to_keep=1)
@@ -47,6 +78,8 @@ def _decode_seconds(model: nn.Module, ids: torch.Tensor, new_tokens: int) -> flo
         out = model(token, cache=cache, use_cache=True)
         cache, token = out.cache, out.logits[:, -1:].argmax(-1)
     _sync(device)
+    if sizes is not None:
+        sizes["cache_mb"] = _cache_megabytes(cache)
     return time.perf_counter() - start
 
 
@@ -59,13 +92,13 @@ def compare_speed(
     for model in models.values():
         _prefill_seconds(model, ids)
         _decode_seconds(model, ids[:, :8], 2)
-    peak = {}
+    peak, sizes = {}, {name: {} for name in models}
     for _ in range(repeats):
         for name, model in models.items():
             if ids.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(ids.device)
             prefill[name].append(_prefill_seconds(model, ids))
-            decode[name].append(_decode_seconds(model, ids, new_tokens))
+            decode[name].append(_decode_seconds(model, ids, new_tokens, sizes[name]))
             if ids.device.type == "cuda":
                 peak[name] = torch.cuda.max_memory_allocated(ids.device) / 2**20
     return {
@@ -75,6 +108,39 @@ def compare_speed(
             decode_tokens=new_tokens,
             decode_tokens_per_s=new_tokens / statistics.median(decode[name]),
             peak_memory_mb=peak.get(name),
+            weights_mb=_megabytes([*model.parameters(), *model.buffers()]),
+            cache_mb=sizes[name]["cache_mb"],
         )
-        for name in models
+        for name, model in models.items()
+    }
+
+
+def measure_speed(
+    original: nn.Module, converted: nn.Module, ids: torch.Tensor, prompt_tokens: int = 512, new_tokens: int = 32,
+    repeats: int = 3, gpu_dtype: torch.dtype = torch.bfloat16,
+) -> dict:
+    """Original vs converted in this process on the best device here; the record `convert` keeps and the card shows.
+
+    On CUDA both run in `gpu_dtype` (the saved dtype); on CPU in float32, the fast CPU path (no bf16 units here).
+    """
+    cuda = torch.cuda.is_available()
+    device, dtype = (torch.device("cuda"), gpu_dtype) if cuda else (torch.device("cpu"), torch.float32)
+    working_dtype = next(converted.parameters()).dtype
+    prompt = ids[:prompt_tokens].unsqueeze(0).to(device)
+    models = {"original": original.to(device, dtype), "converted": converted.to(device, dtype)}
+    try:
+        measured = compare_speed(models, prompt, new_tokens, repeats)
+    finally:
+        for model in models.values():
+            model.to("cpu", working_dtype)
+    orig, conv = measured["original"], measured["converted"]
+    return {
+        "hardware": hardware_description(),
+        "device": device.type,
+        "dtype": str(dtype).removeprefix("torch."),
+        "repeats": repeats,
+        "original": orig.to_dict(),
+        "converted": conv.to_dict(),
+        "prefill_speedup": conv.prefill_tokens_per_s / orig.prefill_tokens_per_s,
+        "decode_speedup": conv.decode_tokens_per_s / orig.decode_tokens_per_s,
     }

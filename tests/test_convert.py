@@ -225,3 +225,36 @@ def test_push_refuses_incomplete_directory(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     result = runner.invoke(app, ["push", str(tmp_path), "me/x"])
     assert result.exit_code == 2 and "not a complete hfcompress output directory" in result.output
+
+
+def test_saved_dtype_speed_record_and_card(tiny_llama_dir, tmp_path):
+    """--dtype bfloat16 saves bf16 weights whose reload matches the validated (rounded) model; the speed record
+    and its plot reach the report and the card."""
+    from safetensors import safe_open
+
+    out = tmp_path / "out"
+    result = runner.invoke(
+        app, ["convert", str(tiny_llama_dir), "--out", str(out), "--max-ppl-increase", "1000", "--dtype", "bfloat16", *FAST],
+        env={"HFCOMPRESS_CACHE": str(tmp_path / "cache")},
+    )
+    assert result.exit_code == 0, result.output
+    with safe_open(out / "model.safetensors", "pt") as weights:
+        assert {weights.get_tensor(k).dtype for k in weights.keys()} == {torch.bfloat16}
+    report = json.loads((out / "hfcompress_report.json").read_text())
+    assert report["dtype"] == "bfloat16"
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert report["validation"]["reload"]["max_abs_logit_diff"] <= 1e-4
+    speed = report["speed"]
+    assert speed["original"]["prefill_tokens_per_s"] > 0 and speed["converted"]["decode_tokens_per_s"] > 0
+    assert speed["decode_speedup"] == pytest.approx(
+        speed["converted"]["decode_tokens_per_s"] / speed["original"]["decode_tokens_per_s"]
+    )
+    assert speed["converted"]["cache_mb"] < speed["original"]["cache_mb"]  # shared layers cache low-rank K
+    card = (out / "README.md").read_text()
+    assert speed["hardware"] in card and "plots/speed.png" in card and (out / "plots" / "speed.png").is_file()
+
+
+def test_bad_dtype_refused_before_work(tiny_llama_dir, tmp_path):
+    result = runner.invoke(app, ["convert", str(tiny_llama_dir), "--out", str(tmp_path / "out"), "--dtype", "int8"])
+    assert result.exit_code == 2 and "Unknown --dtype 'int8'" in result.output
+    assert not (tmp_path / "out").exists()

@@ -104,15 +104,16 @@ def _new_stats(linear: nn.Linear, generator: torch.Generator) -> LinearStats:
     )
 
 
-def collect_linear_stats(
-    model: nn.Module, sequences: torch.Tensor, targets: list[str], batch_size: int = 4, seed: int = 0
-) -> dict[str, LinearStats]:
-    """C, G and rho probe moments for each targeted linear (names relative to `model.model.layers`)."""
-    layers = model.model.layers
-    generator = torch.Generator().manual_seed(seed)
-    stats = {name: _new_stats(layers.get_submodule(name), generator) for name in targets}
+def new_linear_stats(linears: dict[str, nn.Linear], generator: torch.Generator) -> dict[str, LinearStats]:
+    """Empty statistics for `linears`; the rho probes are drawn from `generator` in the dict's order."""
+    return {name: _new_stats(linear, generator) for name, linear in linears.items()}
+
+
+def track_linear_stats(linears: dict[str, nn.Module], stats: dict[str, LinearStats]) -> list:
+    """Hooks that accumulate `stats` of each linear: C and the x-probe moments on every forward, G and the paired
+    probe moments when the output's gradient arrives. Returns the handles to remove."""
     hooks = []
-    for name in targets:
+    for name, linear in linears.items():
         entry = stats[name]
 
         def on_forward(module, args, output, entry=entry):
@@ -132,7 +133,18 @@ def collect_linear_stats(
 
             output.register_hook(on_grad)
 
-        hooks.append(layers.get_submodule(name).register_forward_hook(on_forward))
+        hooks.append(linear.register_forward_hook(on_forward))
+    return hooks
+
+
+def collect_linear_stats(
+    model: nn.Module, sequences: torch.Tensor, targets: list[str], batch_size: int = 4, seed: int = 0
+) -> dict[str, LinearStats]:
+    """C, G and rho probe moments for each targeted linear (names relative to `model.model.layers`)."""
+    layers = model.model.layers
+    linears = {name: layers.get_submodule(name) for name in targets}
+    stats = new_linear_stats(linears, torch.Generator().manual_seed(seed))
+    hooks = track_linear_stats(linears, stats)
     embed = model.get_input_embeddings()
     try:
         for start in progress_bar(range(0, len(sequences), batch_size), "calibrate: Fisher statistics"):

@@ -136,25 +136,45 @@ class FascLayerResult:
         return asdict(self)
 
 
+def trusted_layers(rhos: dict[str, float], options: FascOptions) -> set[str]:
+    """The layers whose rho allows a Fisher factorisation; the others stay dense."""
+    return {name for name, rho in rhos.items() if options.rho_keep_threshold is None or rho <= options.rho_keep_threshold}
+
+
+def plan_ranks(
+    decompositions: dict[str, Decomposition], shapes: dict[str, tuple[int, int]], options: FascOptions
+) -> dict[str, int | None]:
+    """Ranks under the global budget for every targeted layer (`shapes`); layers without a decomposition (not
+    trusted) stay dense and spend their share of the budget."""
+    untrusted_params = sum(m * n for name, (m, n) in shapes.items() if name not in decompositions)
+    total = sum(m * n for m, n in shapes.values())
+    # the dense untrusted layers spend part of the budget
+    trusted_budget = (options.budget * total - untrusted_params) / max(1, total - untrusted_params)
+    if trusted_budget <= 0:
+        raise HfcompressError("--fasc-budget is smaller than the layers kept dense by the rho threshold.")
+    trusted_shapes = {name: shapes[name] for name in decompositions}
+    return allocate_ranks(decompositions, trusted_shapes, min(1.0, trusted_budget)) if decompositions else {}
+
+
+def layer_result(name: str, shape: tuple[int, int], rank: int | None, rho: float, dec: Decomposition | None) -> FascLayerResult:
+    return FascLayerResult(
+        name=name,
+        shape=shape,
+        rank=rank,
+        rho=rho,
+        surrogate_loss=float(dec.spectrum[rank:].sum()) if rank is not None else 0.0,
+        spectrum_head=[float(v) for v in dec.spectrum[:8]] if dec is not None else [],
+    )
+
+
 def compress_linears(
     linears: dict[str, torch.nn.Linear], stats: dict[str, LinearStats], options: FascOptions
 ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], list[FascLayerResult]]:
     """Factor every targeted linear under one budget: ({name: (A, B)} for compressed layers, per-layer results)."""
     rhos = {name: dependence_violation(stats[name]) for name in linears}
-    trusted = {
-        name
-        for name in linears
-        if options.rho_keep_threshold is None or rhos[name] <= options.rho_keep_threshold
-    }
-    decompositions = {name: decompose(linears[name].weight, stats[name], options.method) for name in trusted}
-    shapes = {name: tuple(linears[name].weight.shape) for name in trusted}
-    untrusted_params = sum(lin.weight.numel() for name, lin in linears.items() if name not in trusted)
-    total = sum(lin.weight.numel() for lin in linears.values())
-    # the dense untrusted layers spend part of the budget
-    trusted_budget = (options.budget * total - untrusted_params) / max(1, total - untrusted_params)
-    if trusted_budget <= 0:
-        raise HfcompressError("--fasc-budget is smaller than the layers kept dense by the rho threshold.")
-    ranks = allocate_ranks(decompositions, shapes, min(1.0, trusted_budget)) if decompositions else {}
+    trusted = trusted_layers(rhos, options)
+    decompositions = {name: decompose(linears[name].weight, stats[name], options.method) for name in linears if name in trusted}
+    ranks = plan_ranks(decompositions, {name: tuple(lin.weight.shape) for name, lin in linears.items()}, options)
     factors, results = {}, []
     for name, linear in linears.items():
         rank = ranks.get(name)
@@ -162,14 +182,5 @@ def compress_linears(
         if rank is not None:
             a, b = dec.factors(rank)
             factors[name] = (a.to(linear.weight.dtype), b.to(linear.weight.dtype))
-        results.append(
-            FascLayerResult(
-                name=name,
-                shape=tuple(linear.weight.shape),
-                rank=rank,
-                rho=rhos[name],
-                surrogate_loss=float(dec.spectrum[rank:].sum()) if rank is not None else 0.0,
-                spectrum_head=[float(v) for v in dec.spectrum[:8]] if dec is not None else [],
-            )
-        )
+        results.append(layer_result(name, tuple(linear.weight.shape), rank, rhos[name], dec))
     return factors, results

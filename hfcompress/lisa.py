@@ -117,36 +117,47 @@ def relative_error(output: torch.Tensor, target: torch.Tensor) -> float:
     return ((output - target).pow(2).mean() / target.pow(2).mean()).item()
 
 
+SIMILARITY_SEQUENCES = 8  # calibration sequences the similarity is measured on
+
+
 @torch.no_grad()
-def measure_similarity(model: nn.Module, attn_inputs: list[torch.Tensor], max_sequences: int = 8) -> list[LayerSimilarity]:
+def layer_similarity(
+    idx: int, attn: nn.Module, x: torch.Tensor, cos_sin, previous: tuple[torch.Tensor, torch.Tensor] | None
+) -> tuple[LayerSimilarity | None, tuple[torch.Tensor, torch.Tensor]]:
+    """Similarity of layer `idx` (attention module, its inputs x) to the previous layer's (scores, probs), and
+    this layer's (scores, probs) for the next call; the first layer has nothing to compare with (None)."""
+    mask = causal_mask(x.shape[1])
+    scores = full_attention_scores(attn, x, cos_sin)
+    probs = torch.softmax(scores + mask, dim=-1)
+    if previous is None:
+        return None, (scores, probs)
+    prev_scores, prev_probs = previous
+    js = js_matrix(probs, prev_probs)
+    matching = js.argmin(dim=1).tolist()
+    aligned = torch.einsum("hg,bgij->bhij", alignment_mix(scores, prev_scores, matching), prev_scores)
+    similarity = LayerSimilarity(
+        layer=idx,
+        js_same_head=js.diagonal().mean().item(),
+        js_best_match=js.min(dim=1).values.mean().item(),
+        matching=matching,
+        head_js_best=js.min(dim=1).values.tolist(),
+        aligned_output_error=relative_error(attention_output(attn, x, aligned, mask), attention_output(attn, x, scores, mask)),
+    )
+    return similarity, (scores, probs)
+
+
+@torch.no_grad()
+def measure_similarity(
+    model: nn.Module, attn_inputs: list[torch.Tensor], max_sequences: int = SIMILARITY_SEQUENCES
+) -> list[LayerSimilarity]:
     """Attention similarity of every layer to the previous one on calibration inputs."""
     layers = model.model.layers
-    seq_len = attn_inputs[0].shape[1]
-    mask = causal_mask(seq_len)
     cos_sin = rotary(model, attn_inputs[0][:1])
-    prev_scores = prev_probs = None
-    result = []
+    previous, result = None, []
     for idx in progress_bar(range(len(layers)), "analyze: attention similarity"):
-        attn, x = layers[idx].self_attn, attn_inputs[idx][:max_sequences]
-        scores = full_attention_scores(attn, x, cos_sin)
-        probs = torch.softmax(scores + mask, dim=-1)
-        if prev_probs is not None:
-            js = js_matrix(probs, prev_probs)
-            matching = js.argmin(dim=1).tolist()
-            aligned = torch.einsum("hg,bgij->bhij", alignment_mix(scores, prev_scores, matching), prev_scores)
-            result.append(
-                LayerSimilarity(
-                    layer=idx,
-                    js_same_head=js.diagonal().mean().item(),
-                    js_best_match=js.min(dim=1).values.mean().item(),
-                    matching=matching,
-                    head_js_best=js.min(dim=1).values.tolist(),
-                    aligned_output_error=relative_error(
-                        attention_output(attn, x, aligned, mask), attention_output(attn, x, scores, mask)
-                    ),
-                )
-            )
-        prev_scores, prev_probs = scores, probs
+        similarity, previous = layer_similarity(idx, layers[idx].self_attn, attn_inputs[idx][:max_sequences], cos_sin, previous)
+        if similarity is not None:
+            result.append(similarity)
     return result
 
 
@@ -270,7 +281,7 @@ def fit_shared_layer(
 
 
 @torch.no_grad()
-def _scores_of(module: nn.Module, x: torch.Tensor, prev_scores: torch.Tensor | None, cos_sin, batch_size: int):
+def converted_scores(module: nn.Module, x: torch.Tensor, prev_scores: torch.Tensor | None, cos_sin, batch_size: int):
     """Pre-softmax scores of a (converted) layer for all calibration sequences."""
     if prev_scores is None:
         return torch.cat([full_attention_scores(module, x[i : i + batch_size], cos_sin) for i in range(0, len(x), batch_size)])
@@ -308,7 +319,7 @@ def fit_lisa(
             fitted.append(record)
         if idx + 1 in chosen:  # the next layer anchors on this one's (converted) scores
             module = converted.get(idx, layers[idx].self_attn)
-            prev_scores = _scores_of(module, attn_inputs[idx], prev_scores if idx in converted else None, cos_sin, options.batch_size)
+            prev_scores = converted_scores(module, attn_inputs[idx], prev_scores if idx in converted else None, cos_sin, options.batch_size)
         else:
             prev_scores = None
     return fitted

@@ -17,26 +17,30 @@ from .lisa import FittedLayer
 from .remote import AUTO_MAP, lisa_classes, remote_code_files
 
 
-def build_converted_model(
-    original: nn.Module,
-    lisa_layers: list[FittedLayer],
-    fasc_factors: dict[str, tuple[torch.Tensor, torch.Tensor]],
-) -> nn.Module:
-    """The converted model in memory; every weight comes from the original or a fitted module, none is random."""
-    config_cls, model_cls = lisa_classes()
-    base = original.config.to_dict()
+def converted_config(original_config, lisa_spec: dict[str, dict], fasc_ranks: dict[str, int]):
+    """The LisaLlamaConfig (with auto_map) of the original config plus the shared layers and the FASC ranks."""
+    config_cls, _ = lisa_classes()
+    base = original_config.to_dict()
     for key in ("model_type", "architectures", "auto_map", "quantization_config", "transformers_version"):
         base.pop(key, None)
-    config = config_cls(
-        **base,
-        lisa_layers={str(f.layer): {"rank": f.rank, "align_hidden": f.align_hidden} for f in lisa_layers},
-        fasc_ranks={name: int(b.shape[0]) for name, (a, b) in fasc_factors.items()},
-    )
+    config = config_cls(**base, lisa_layers=lisa_spec, fasc_ranks=fasc_ranks)
     config.architectures = ["LisaLlamaForCausalLM"]
     config.auto_map = dict(AUTO_MAP)
-    model = model_cls(config).to(next(original.parameters()).dtype)
+    return config
 
-    state = dict(original.state_dict())
+
+def lisa_spec(lisa_layers: list[FittedLayer]) -> dict[str, dict]:
+    return {str(f.layer): {"rank": f.rank, "align_hidden": f.align_hidden} for f in lisa_layers}
+
+
+def converted_state(
+    state: dict[str, torch.Tensor],
+    lisa_layers: list[FittedLayer],
+    fasc_factors: dict[str, tuple[torch.Tensor, torch.Tensor]],
+) -> dict[str, torch.Tensor]:
+    """`state` (the original state dict, or the part of it holding these layers) with the shared layers' Q/K
+    replaced by their fitted modules and every factorised linear by proj_in (B) and proj_out (A)."""
+    state = dict(state)
     for fitted in lisa_layers:
         prefix = f"model.layers.{fitted.layer}.self_attn."
         for key in ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias"):
@@ -49,6 +53,21 @@ def build_converted_model(
         state[prefix + "proj_out.weight"] = a
         if prefix + "bias" in state:
             state[prefix + "proj_out.bias"] = state.pop(prefix + "bias")
+    return state
+
+
+def build_converted_model(
+    original: nn.Module,
+    lisa_layers: list[FittedLayer],
+    fasc_factors: dict[str, tuple[torch.Tensor, torch.Tensor]],
+) -> nn.Module:
+    """The converted model in memory; every weight comes from the original or a fitted module, none is random."""
+    _, model_cls = lisa_classes()
+    config = converted_config(
+        original.config, lisa_spec(lisa_layers), {name: int(b.shape[0]) for name, (a, b) in fasc_factors.items()}
+    )
+    model = model_cls(config).to(next(original.parameters()).dtype)
+    state = converted_state(original.state_dict(), lisa_layers, fasc_factors)
     result = model.load_state_dict(state, strict=False)
     missing = [k for k in result.missing_keys if k != "lm_head.weight" or not config.tie_word_embeddings]
     if missing or result.unexpected_keys:
@@ -122,6 +141,12 @@ def save_model_files(
         model.save_pretrained(directory, safe_serialization=True)
     finally:
         model.to(working_dtype)  # the reload check compares against the (already rounded) working copy
+    save_companion_files(tokenizer, generation_config, directory)
+
+
+def save_companion_files(tokenizer, generation_config, directory: Path) -> None:
+    """Everything beside the weights and config.json: tokenizer, generation config, remote-code files; then
+    checks that the config.json already in `directory` carries the auto_map."""
     tokenizer.save_pretrained(directory)
     if generation_config is not None:
         generation_config.save_pretrained(directory)

@@ -163,6 +163,13 @@ def prepare(options: ConvertOptions, token: str | None = None) -> Prepared:
     """Resolve and load SOURCE, tokenise calibration and evaluation text."""
     source = resolve_source(options.source, options.revision, token)
     model, tokenizer = load_source(source)
+    sequences, eval_ids, calib_name, eval_name = token_streams(options, tokenizer)
+    cache = options.cache_dir / cache_key(_source_identity(source), tensor_fingerprint(sequences))
+    return Prepared(source, model, tokenizer, sequences, eval_ids, calib_name, eval_name, cache)
+
+
+def token_streams(options: ConvertOptions, tokenizer) -> tuple[torch.Tensor, torch.Tensor, str, str]:
+    """(calibration sequences (N, T), held-out evaluation ids, calibration text name, evaluation text name)."""
     calib_raw = read_text_file(options.calib_text) if options.calib_text else builtin_text()
     calib_name = str(options.calib_text) if options.calib_text else BUILTIN_TEXT_NAME
     calib_split = tokenize_split(tokenizer, calib_raw, calib_name)
@@ -170,9 +177,7 @@ def prepare(options: ConvertOptions, token: str | None = None) -> Prepared:
         eval_ids, eval_name = tokenize(tokenizer, read_text_file(options.eval_text)), str(options.eval_text)
     else:
         eval_ids, eval_name = calib_split.held_out, f"{calib_name}, held-out last 25%"
-    sequences = chunk(calib_split.calibration, options.seq_len, options.calib_sequences)
-    cache = options.cache_dir / cache_key(_source_identity(source), tensor_fingerprint(sequences))
-    return Prepared(source, model, tokenizer, sequences, eval_ids, calib_name, eval_name, cache)
+    return chunk(calib_split.calibration, options.seq_len, options.calib_sequences), eval_ids, calib_name, eval_name
 
 
 def convert(options: ConvertOptions, argv: list[str] | None = None) -> dict:

@@ -81,20 +81,27 @@ def build_converted_model(
 
 def parameter_counts(model: nn.Module) -> dict[str, int]:
     """Unique parameters (tied weights counted once), split into attention Q/K, other attention, MLP, rest."""
-    seen, counts = set(), {"total": 0, "attention_qk": 0, "attention_other": 0, "mlp": 0, "other": 0}
+    seen, sizes = set(), {}
     for name, param in model.named_parameters():
-        if param.data_ptr() in seen:
-            continue
-        seen.add(param.data_ptr())
-        counts["total"] += param.numel()
+        if param.data_ptr() not in seen:
+            seen.add(param.data_ptr())
+            sizes[name] = param.numel()
+    return count_parameters(sizes)
+
+
+def count_parameters(sizes: dict[str, int]) -> dict[str, int]:
+    """{parameter name: numel} (each tensor once) split into attention Q/K, other attention, MLP, rest."""
+    counts = {"total": 0, "attention_qk": 0, "attention_other": 0, "mlp": 0, "other": 0}
+    for name, numel in sizes.items():
+        counts["total"] += numel
         if any(t in name for t in ("q_proj", "k_proj", "q_lowrank", "k_lowrank", ".align.")):
-            counts["attention_qk"] += param.numel()
+            counts["attention_qk"] += numel
         elif "self_attn" in name:
-            counts["attention_other"] += param.numel()
+            counts["attention_other"] += numel
         elif ".mlp." in name:
-            counts["mlp"] += param.numel()
+            counts["mlp"] += numel
         else:
-            counts["other"] += param.numel()
+            counts["other"] += numel
     return counts
 
 

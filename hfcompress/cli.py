@@ -62,12 +62,19 @@ def convert(
     revision: str = typer.Option(None, "--revision", help="Branch, tag or commit of a Hub source [default: main]."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
     force: bool = typer.Option(False, "--force", help="Push even when the perplexity gate failed."),
+    trust_remote_code: bool = typer.Option(
+        False, help="Accept a source that declares custom code (auto_map) if it loads as a Llama; its code is never run."
+    ),
     max_ppl_increase: float = typer.Option(10.0, help="Quality gate: largest allowed perplexity increase, in percent."),
     share_ratio: float = typer.Option(LisaOptions.share_ratio, help="Fraction of layers to share (LISA), best-aligned first."),
     lisa_layers: str = typer.Option(None, help="Explicit comma-separated layers to share; overrides --share-ratio."),
     protect_first: int = typer.Option(LisaOptions.protect_first, help="Number of shallow layers never shared."),
     qk_compression: float = typer.Option(LisaOptions.qk_compression, help="Shared layers' Q/K parameters are at least this many times smaller."),
-    align_hidden: int = typer.Option(LisaOptions.align_hidden, help="Width of the head-alignment FFN (0 = linear head mix only)."),
+    lisa_align: str = typer.Option(
+        LisaOptions.align, help="Head alignment: dense (head mix + FFN), sparse (one scaled head: SDPA fast path), identity (none)."
+    ),
+    align_hidden: int = typer.Option(LisaOptions.align_hidden, help="Width of the dense alignment FFN (0 = linear head mix only)."),
+    lowrank: bool = typer.Option(True, "--lowrank/--no-lowrank", help="Low-rank Q/K correction in shared layers."),
     lisa_steps: int = typer.Option(LisaOptions.steps, help="Distillation steps per shared layer."),
     lisa_tune_steps: int = typer.Option(0, help="Joint end-to-end (logit KL) tuning steps of all shared layers."),
     fasc_budget: float = typer.Option(1.0, help="FASC: fraction of targeted linear parameters kept (1.0 = off)."),
@@ -83,6 +90,10 @@ def convert(
     probe: bool = typer.Option(True, "--probe/--no-probe", help="Run the factual-recall probe on both models."),
     speed: bool = typer.Option(True, "--speed/--no-speed", help="Measure prefill/decode tokens/s of both models side by side."),
     dtype: str = typer.Option("auto", help="Saved weights: auto (the source's dtype; bfloat16 for GGUF), float32, bfloat16, float16."),
+    layer_by_layer: bool = typer.Option(
+        False, "--layer-by-layer", help="One decoder layer in memory at a time (models larger than RAM; safetensors sources; data-parallel under `accelerate launch`)."
+    ),
+    max_shard_size: str = typer.Option("2GB", help="With --layer-by-layer: largest output safetensors shard, e.g. 2GB or 500MB."),
 ) -> None:
     """Convert SOURCE into a LisaLlama model, validate it, write --out and optionally push it."""
     from .convert import ConvertOptions
@@ -98,6 +109,7 @@ def convert(
             revision=revision,
             overwrite=overwrite,
             force=force,
+            trust_remote_code=trust_remote_code,
             max_ppl_increase=max_ppl_increase,
             calib_text=calib_text,
             eval_text=eval_text,
@@ -108,6 +120,8 @@ def convert(
             probe=probe,
             speed=speed,
             dtype=dtype,
+            layer_by_layer=layer_by_layer,
+            max_shard_size=max_shard_size,
             heal_steps=heal_steps,
             lisa_tune_steps=lisa_tune_steps,
             lisa=LisaOptions(
@@ -115,7 +129,9 @@ def convert(
                 layers=_layers(lisa_layers),
                 protect_first=protect_first,
                 qk_compression=qk_compression,
+                align=lisa_align,
                 align_hidden=align_hidden,
+                lowrank=lowrank,
                 steps=lisa_steps,
                 seed=seed,
             ),
@@ -144,6 +160,9 @@ def analyze(
     calib_sequences: int = typer.Option(16, help="Number of calibration sequences."),
     seq_len: int = typer.Option(256, help="Calibration sequence length in tokens."),
     revision: str = typer.Option(None, help="Branch, tag or commit of a Hub source."),
+    trust_remote_code: bool = typer.Option(
+        False, help="Accept a source that declares custom code (auto_map) if it loads as a Llama; its code is never run."
+    ),
 ) -> None:
     """Measure per-layer attention similarity (LISA) and optionally rho (FASC); cached for `convert`."""
     from .analyze import analyze as run_analyze
@@ -151,7 +170,7 @@ def analyze(
 
     def action() -> None:
         options = ConvertOptions(
-            source=source, out=Path("."), revision=revision, calib_text=calib_text,
+            source=source, out=Path("."), revision=revision, trust_remote_code=trust_remote_code, calib_text=calib_text,
             calib_sequences=calib_sequences, seq_len=seq_len,
             lisa=LisaOptions(share_ratio=share_ratio, protect_first=protect_first),
         )
@@ -191,14 +210,14 @@ def push(
     directory: Path = typer.Argument(..., help="A directory written by `hfcompress convert`."),
     repo_id: str = typer.Argument(..., help="Hub repo to create/update, e.g. me/model-lisa."),
     private: bool = typer.Option(False, "--private", help="Create the repo as private."),
+    force: bool = typer.Option(False, "--force", help="Push even when the directory failed the quality gate."),
 ) -> None:
     """Push an already converted directory (for example after a failed push) in one commit."""
-    from .push import push_folder, require_token
+    from .push import check_output_dir, push_folder, require_token
 
     def action() -> None:
-        if not (directory / "config.json").is_file() or not (directory / "hfcompress_report.json").is_file():
-            raise HfcompressError(f"{directory} is not a complete hfcompress output directory.")
-        url = push_folder(directory, repo_id, require_token(), private, "hfcompress: upload converted model")
+        check_output_dir(directory, force)
+        url = push_folder(directory, repo_id, require_token(), private, "hfcompress: upload converted model", force)
         typer.echo(url)
 
     _run(action)

@@ -24,6 +24,7 @@ from .heal import heal_with_lora, tune_lisa_end_to_end
 from .lisa import LisaOptions, fit_lisa, measure_similarity, select_layers
 from .plots import fasc_ranks_and_rho, perplexity_bars, similarity_heatmap, speed_bars
 from .probe import run_probe
+from .memory import peak_memory
 from .progress import console
 from .push import push_folder, require_token
 from .source import ResolvedSource, load_source, resolve_source
@@ -58,6 +59,8 @@ class ConvertOptions:
     lisa_tune_steps: int = 0  # joint end-to-end distillation steps of all shared layers (0 = off)
     dtype: str = "auto"  # dtype of the saved weights: auto | float32 | bfloat16 | float16
     speed: bool = True  # measure prefill/decode speed of original and converted side by side
+    layer_by_layer: bool = False  # one decoder layer in memory at a time (sequential.py)
+    max_shard_size: str = "2GB"  # --layer-by-layer output shards
     lisa: LisaOptions = field(default_factory=LisaOptions)
     fasc: FascOptions = field(default_factory=FascOptions)
 
@@ -182,6 +185,12 @@ def token_streams(options: ConvertOptions, tokenizer) -> tuple[torch.Tensor, tor
 
 def convert(options: ConvertOptions, argv: list[str] | None = None) -> dict:
     """Run the whole conversion; returns the report. Raises HfcompressError on bad input or a failed gate push."""
+    if options.layer_by_layer:
+        from .sequential import convert_layer_by_layer
+
+        return convert_layer_by_layer(options, argv)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise HfcompressError("Several processes (accelerate launch) need --layer-by-layer: the in-memory pipeline runs in one.")
     started = time.perf_counter()
     timings: dict[str, float] = {}
     torch.manual_seed(options.seed)
@@ -316,13 +325,20 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> dict:
             )
         report["plots"] = write_plots(report, directory / "plots")
         report["wall_seconds"] = round(time.perf_counter() - started, 1)
+        report["memory"] = peak_memory()
         write_card(report, repo_id, directory)
         (directory / REPORT_FILE).write_text(json.dumps(report, indent=2, default=str))
 
     with _step("write", timings):
         out_dir = write_output_dir(out_dir, options.overwrite, write)
     console.log(f"wrote {out_dir}: {gate_message}")
+    return publish(report, options, out_dir, gate_passed, gate_message, token, timings)
 
+
+def publish(
+    report: dict, options: ConvertOptions, out_dir: Path, gate_passed: bool, gate_message: str, token: str | None, timings: dict
+) -> dict:
+    """Push when asked and the gate passed (or --force); a failed gate is exit code 3 once the output is written."""
     if options.push_to:
         if not gate_passed and not options.force:
             raise HfcompressError(

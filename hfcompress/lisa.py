@@ -3,8 +3,9 @@
 For layer l and the previous layer l-1, on calibration sequences:
 - JS divergence between the attention rows of every head pair (h of l, g of l-1) -> an H x H matrix; the
   "same head" score is its diagonal, the "best match" score is its row minimum (the matching pi(h)).
-- A shared layer gets Align (initialised to mix[h, pi(h)] = least-squares scale of S_{l-1}[pi(h)] onto S_l[h])
-  and low-rank Q/K, trained by distillation: the layer's attention output (after o_proj) must match the
+- A shared layer gets Align (initialised to mix[h, pi(h)] = least-squares scale of S_{l-1}[pi(h)] onto S_l[h];
+  "dense": a full head mix + FFN trained from there, "sparse": only that scale trained, "identity": no alignment
+  at all, the same head copied) and low-rank Q/K (none with lowrank=False), trained by distillation: the layer's attention output (after o_proj) must match the
   original layer's on the same input, with the anchor scores coming from the already converted layers below
   (so errors of a chain of shared layers are seen while fitting).
 """
@@ -27,7 +28,9 @@ class LisaOptions:
     layers: list[int] | None = None  # explicit choice overrides share_ratio
     protect_first: int = 2  # shallow layers are never shared
     qk_compression: float = 6.0  # shared Q/K parameters >= this many times smaller than W_Q + W_K
-    align_hidden: int = 16  # FFN width across heads; 0 = linear head mix only
+    align: str = "dense"  # dense (head mix + FFN) | sparse (one scaled head, SDPA fast path) | identity (no alignment)
+    align_hidden: int = 16  # dense Align: FFN width across heads; 0 = linear head mix only
+    lowrank: bool = True  # low-rank Q/K correction (False: aligned previous scores only, an ablation)
     steps: int = 100
     batch_size: int = 4
     lr: float = 1e-2
@@ -191,10 +194,14 @@ def lowrank_rank(config, qk_compression: float) -> int:
     return rank
 
 
+ALIGN_KINDS = ("dense", "sparse", "identity")
+
+
 @dataclass
 class FittedLayer:
     layer: int
     rank: int
+    align: str  # as the modeling spells it: dense | sparse
     align_hidden: int
     state: dict  # LisaSharedAttention state dict
     loss_initial: float
@@ -216,7 +223,9 @@ def fit_shared_layer(
     modeling = import_remote("modeling_lisa_llama")
     config = model.config
     original = model.model.layers[layer_idx].self_attn
-    module = modeling.LisaSharedAttention(model.config, layer_idx, rank, options.align_hidden)
+    align = "dense" if options.align == "dense" else "sparse"  # identity = a sparse Align that stays the identity
+    align_hidden = options.align_hidden if align == "dense" else 0
+    module = modeling.LisaSharedAttention(model.config, layer_idx, rank, align_hidden, align)
     module.v_proj.load_state_dict(original.v_proj.state_dict())
     module.o_proj.load_state_dict(original.o_proj.state_dict())
     module.v_proj.requires_grad_(False)
@@ -225,12 +234,13 @@ def fit_shared_layer(
     with torch.no_grad():
         for lin in (module.q_lowrank, module.k_lowrank):
             lin.weight.copy_(torch.randn(lin.weight.shape, generator=generator) * 0.3 / math.sqrt(config.hidden_size))
-        if module.align.ffn_in is not None:
-            w = module.align.ffn_in.weight
-            w.copy_(torch.randn(w.shape, generator=generator) / math.sqrt(w.shape[1]))
-            module.align.ffn_in.bias.zero_()
-            module.align.ffn_out.weight.zero_()
-        module.align.bias.zero_()
+        if align == "dense":
+            if module.align.ffn_in is not None:
+                w = module.align.ffn_in.weight
+                w.copy_(torch.randn(w.shape, generator=generator) / math.sqrt(w.shape[1]))
+                module.align.ffn_in.bias.zero_()
+                module.align.ffn_out.weight.zero_()
+            module.align.bias.zero_()
 
     seq_len = x.shape[1]
     mask = causal_mask(seq_len)
@@ -244,12 +254,21 @@ def fit_shared_layer(
             ]
         )
         sample = slice(0, min(len(x), 8))
-        module.align.mix.copy_(alignment_mix(full_attention_scores(original, x[sample], cos_sin), prev_scores[sample], matching))
+        if options.align != "identity":
+            mix = alignment_mix(full_attention_scores(original, x[sample], cos_sin), prev_scores[sample], matching)
+            if align == "dense":
+                module.align.mix.copy_(mix)
+            else:
+                module.align.source.copy_(torch.tensor(matching))
+                module.align.scale.copy_(mix[torch.arange(len(matching)), matching])
+    if options.align == "identity":
+        module.align.requires_grad_(False)
     target_power = target.pow(2).mean()
 
-    trainable = [p for p in module.parameters() if p.requires_grad]
-    optimizer = torch.optim.Adam(trainable, lr=options.lr)
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, options.steps))
+    trainable = [p for p in module.parameters() if p.requires_grad and p.numel()]  # none: identity Align, rank 0
+    if trainable:
+        optimizer = torch.optim.Adam(trainable, lr=options.lr)
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, options.steps))
 
     def loss_on(idx: torch.Tensor) -> torch.Tensor:
         out, _ = module(x[idx], positions.expand(len(idx), -1), mask, prev_scores[idx])
@@ -258,7 +277,7 @@ def fit_shared_layer(
     with torch.no_grad():
         everything = torch.arange(min(len(x), 4 * options.batch_size))
         loss_initial = loss_on(everything).item()
-    for _ in range(options.steps):
+    for _ in range(options.steps if trainable else 0):
         idx = torch.randint(len(x), (options.batch_size,), generator=generator)
         loss = loss_on(idx)
         optimizer.zero_grad(set_to_none=True)
@@ -271,7 +290,8 @@ def fit_shared_layer(
     record = FittedLayer(
         layer=layer_idx,
         rank=rank,
-        align_hidden=options.align_hidden,
+        align=align,
+        align_hidden=align_hidden,
         state={k: v.detach().clone() for k, v in module.state_dict().items()},
         loss_initial=loss_initial,
         loss_final=loss_final,
@@ -303,7 +323,9 @@ def fit_lisa(
     """Fit every chosen layer in depth order, anchoring each on the converted layers below it."""
     if not chosen:
         return []
-    rank = lowrank_rank(model.config, options.qk_compression)
+    if options.align not in ALIGN_KINDS:
+        raise HfcompressError(f"Unknown LISA align '{options.align}': choose one of {', '.join(ALIGN_KINDS)}.")
+    rank = lowrank_rank(model.config, options.qk_compression) if options.lowrank else 0
     matching = {s.layer: s.matching for s in similarity}
     layers = model.model.layers
     cos_sin = rotary(model, attn_inputs[0][:1])

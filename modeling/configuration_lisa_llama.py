@@ -16,7 +16,8 @@ class LisaLlamaConfig(LlamaConfig):
         Layer index (as a string) -> LISA spec of that layer. A listed layer has no `q_proj`/`k_proj`: its
         pre-softmax scores are `Align(S_{l-1}) + (x W_Q^lr)(x W_K^lr)^T / sqrt(rank)`, where `S_{l-1}` are the
         previous layer's scores. Spec keys: `rank` (per-head rank of the low-rank Q/K, even),
-        `align_hidden` (hidden width of the FFN across heads, 0 = linear head mix only).
+        `align_hidden` (hidden width of the FFN across heads, 0 = linear head mix only), `align` ("dense",
+        the default: mix across heads + FFN; or "sparse": one scaled source head per head, SDPA-friendly).
     fasc_ranks (`dict[str, int]`, *optional*):
         Module path inside a decoder layer, e.g. `"3.mlp.down_proj"` -> rank k. That linear becomes
         `y = A (B x)` with `B: k x in` (`proj_in`) and `A: out x k` (`proj_out`).
@@ -38,8 +39,10 @@ class LisaLlamaConfig(LlamaConfig):
             idx = int(key)
             if not 0 < idx < self.num_hidden_layers:
                 raise ValueError(f"LISA layer {idx} must be in 1..{self.num_hidden_layers - 1} (layer 0 has no anchor).")
-            if int(spec["rank"]) <= 0 or int(spec["rank"]) % 2:
-                raise ValueError(f"LISA layer {idx}: rank must be a positive even number, got {spec['rank']}.")
+            if int(spec["rank"]) < 0 or int(spec["rank"]) % 2:
+                raise ValueError(f"LISA layer {idx}: rank must be an even number >= 0, got {spec['rank']}.")
+            if spec.get("align", "dense") not in ("dense", "sparse"):
+                raise ValueError(f"LISA layer {idx}: align must be 'dense' or 'sparse', got {spec['align']!r}.")
 
 
 __all__ = ["LisaLlamaConfig"]

@@ -5,13 +5,18 @@ and its sibling files. Math, per decoder layer l:
 
 - full layer:   S_l = Q_l K_l^T / sqrt(d_head)                         (ordinary Llama attention)
 - LISA layer:   S_l = Align(S_{l-1}) + (x W_Q^lr)(x W_K^lr)^T / sqrt(r)  (no q_proj / k_proj)
-                Align(S)[h] = sum_g mix[h, g] S[g] + bias[h] + FFN(S[:, i, j])[h]  (mix across heads)
+    dense Align:  Align(S)[h] = sum_g mix[h, g] S[g] + bias[h] + FFN(S[:, i, j])[h]  (mix across heads)
+    sparse Align: Align(S)[h] = scale[h] S[source[h]]                             (one head, scaled)
 - both:         out = softmax(S_l + causal/padding mask) V_l, then o_proj.
 
-S are pre-softmax logits ("logits-space" mixing keeps rows normalised after the softmax). A full layer only
-materialises S when the next layer is a LISA layer; otherwise it uses the configured attention backend (SDPA).
-At decode the previous layer hands over its score row for the new token, so a LISA layer caches only its
-low-rank K (r per head) and its V. A FASC linear is `y = proj_out(proj_in(x))` (`A (B x)`).
+S are pre-softmax logits ("logits-space" mixing keeps rows normalised after the softmax).
+- Dense Align needs S_{l-1} materialised: the layer below hands over its scores.
+- Sparse Align is linear in one head's Q K^T, so S_l is one attention over concatenated features,
+  [scale Q_{l-1}[source] | Q^lr / sqrt(r)] . [K_{l-1}[source] | K^lr]^T. The layer below hands over its (query, key)
+  features, nothing T x T is materialised, and SDPA does the softmax and V product.
+- A full layer uses the configured attention backend (SDPA) unless the next layer needs its scores.
+At decode the previous layer hands over its score row (or its features) for the new token, so a LISA layer caches
+only its low-rank K (r per head) and its V. A FASC linear is `y = proj_out(proj_in(x))` (`A (B x)`).
 """
 
 from collections.abc import Callable
@@ -77,6 +82,22 @@ class LisaHeadAlign(nn.Module):
         return scores
 
 
+class LisaSparseAlign(nn.Module):
+    """Each head reads one head of the previous layer, scaled: Align(S)[h] = scale[h] * S[source[h]]."""
+
+    def __init__(self, num_heads: int):
+        super().__init__()
+        self.register_buffer("source", torch.arange(num_heads))  # saved: the head matching found at conversion
+        self.scale = nn.Parameter(torch.ones(num_heads))
+
+    def forward(self, prev_scores: torch.Tensor) -> torch.Tensor:
+        return prev_scores[:, self.source] * self.scale.to(prev_scores.dtype)[None, :, None, None]
+
+    def features(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The previous layer's (B, H, T, D) query/key features re-ordered to this layer's heads, query scaled."""
+        return query[:, self.source] * self.scale.to(query.dtype)[None, :, None, None], key[:, self.source]
+
+
 def additive_attention_mask(
     attention_mask: torch.Tensor | None, batch: int, q_len: int, past_len: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
@@ -133,10 +154,9 @@ class LisaLlamaAttention(nn.Module):
         attention_mask: torch.Tensor | None,
         additive_mask: torch.Tensor | None,
         cache: Cache | None = None,
-        prev_scores: torch.Tensor | None = None,
-        return_scores: bool = False,
+        handoff: str | None = None,
         **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | tuple | None]:
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
@@ -147,11 +167,12 @@ class LisaLlamaAttention(nn.Module):
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
 
-        if return_scores:  # the next layer is a LISA layer: materialise the logits it builds on
-            scores = torch.matmul(query, repeat_kv(key, self.num_key_value_groups).transpose(2, 3)) * self.scaling
-            attn_output = softmax_attention(scores, additive_mask, value, self.num_key_value_groups)
+        if handoff == "scores":  # the next layer has a dense Align: materialise the logits it builds on
+            passed = torch.matmul(query, repeat_kv(key, self.num_key_value_groups).transpose(2, 3)) * self.scaling
+            attn_output = softmax_attention(passed, additive_mask, value, self.num_key_value_groups)
         else:
-            scores = None
+            # a sparse-Align next layer only needs this layer's (scaled query, per-head key) features
+            passed = (query * self.scaling, repeat_kv(key, self.num_key_value_groups)) if handoff == "features" else None
             attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
                 self.config._attn_implementation, eager_attention_forward
             )
@@ -166,13 +187,13 @@ class LisaLlamaAttention(nn.Module):
                 **kwargs,
             )
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-        return self.o_proj(attn_output), scores
+        return self.o_proj(attn_output), passed
 
 
 class LisaSharedAttention(nn.Module):
     """LISA layer: scores from the previous layer's scores (aligned) plus a low-rank Q/K correction."""
 
-    def __init__(self, config: LisaLlamaConfig, layer_idx: int, rank: int, align_hidden: int):
+    def __init__(self, config: LisaLlamaConfig, layer_idx: int, rank: int, align_hidden: int, align: str = "dense"):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
@@ -185,7 +206,8 @@ class LisaSharedAttention(nn.Module):
         self.k_lowrank = nn.Linear(hidden, self.num_heads * rank, bias=False)
         self.v_proj = nn.Linear(hidden, config.num_key_value_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
-        self.align = LisaHeadAlign(self.num_heads, align_hidden)
+        self.sparse = align == "sparse"
+        self.align = LisaSparseAlign(self.num_heads) if self.sparse else LisaHeadAlign(self.num_heads, align_hidden)
 
     def lowrank_rotary(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE at the low-rank width r (same base as the model), so the correction term is position-aware."""
@@ -206,31 +228,46 @@ class LisaSharedAttention(nn.Module):
         return apply_rotary_pos_emb(q_lr, k_lr, cos, sin)
 
     def scores(self, prev_scores: torch.Tensor, q_lr: torch.Tensor, k_lr: torch.Tensor) -> torch.Tensor:
-        """Pre-softmax scores S_l = Align(S_{l-1}) + q_lr k_lr^T / sqrt(r)."""
-        return self.align(prev_scores) + torch.matmul(q_lr, k_lr.transpose(2, 3)) * self.rank**-0.5
+        """Pre-softmax scores S_l = Align(S_{l-1}) + q_lr k_lr^T / sqrt(r) (just the aligned scores at rank 0)."""
+        aligned = self.align(prev_scores)
+        if self.rank == 0:
+            return aligned
+        return aligned + torch.matmul(q_lr, k_lr.transpose(2, 3)) * self.rank**-0.5
 
     def forward(
         self,
         hidden_states: torch.Tensor,
         position_ids: torch.Tensor,
         additive_mask: torch.Tensor,
-        prev_scores: torch.Tensor,
+        prev: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
         cache: Cache | None = None,
+        handoff: str | None = "scores",
         **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | tuple | None]:
+        """`prev` is the previous layer's scores, or its (query, key) features when this layer's Align is sparse."""
         input_shape = hidden_states.shape[:-1]
         q_lr, k_lr = self.lowrank_qk(hidden_states, position_ids)
         value = self.v_proj(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)
         if cache is not None:  # a LISA layer caches only its low-rank K and its V
             k_lr, value = cache.update(k_lr, value, self.layer_idx)
 
-        if fused_lisa_decode is not None and q_lr.shape[2] == 1 and triton_available(q_lr):
-            attn_output, scores = fused_lisa_decode(self, prev_scores, q_lr, k_lr, value, additive_mask)
+        if isinstance(prev, tuple):  # sparse Align: one attention over concatenated features, no T x T tensor
+            q_prev, k_prev = self.align.features(*prev)
+            query = torch.cat([q_prev, q_lr * self.rank**-0.5], dim=-1) if self.rank else q_prev
+            key = torch.cat([k_prev, k_lr], dim=-1) if self.rank else k_prev
+            attn_output = nn.functional.scaled_dot_product_attention(
+                query, key, repeat_kv(value, self.num_key_value_groups), attn_mask=additive_mask, scale=1.0
+            ).transpose(1, 2)
+            passed = (query, key) if handoff == "features" else None
+            if handoff == "scores":
+                passed = torch.matmul(query, key.transpose(2, 3))
+        elif fused_lisa_decode is not None and not self.sparse and q_lr.shape[2] == 1 and triton_available(q_lr):
+            attn_output, passed = fused_lisa_decode(self, prev, q_lr, k_lr, value, additive_mask)
         else:
-            scores = self.scores(prev_scores, q_lr, k_lr)
-            attn_output = softmax_attention(scores, additive_mask, value, self.num_key_value_groups)
+            passed = self.scores(prev, q_lr, k_lr)
+            attn_output = softmax_attention(passed, additive_mask, value, self.num_key_value_groups)
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-        return self.o_proj(attn_output), scores
+        return self.o_proj(attn_output), passed
 
 
 class LisaLlamaDecoderLayer(nn.Module):
@@ -240,7 +277,9 @@ class LisaLlamaDecoderLayer(nn.Module):
         lisa = config.lisa_layers.get(str(layer_idx))
         self.is_lisa = lisa is not None
         if self.is_lisa:
-            self.self_attn = LisaSharedAttention(config, layer_idx, int(lisa["rank"]), int(lisa.get("align_hidden", 0)))
+            self.self_attn = LisaSharedAttention(
+                config, layer_idx, int(lisa["rank"]), int(lisa.get("align_hidden", 0)), lisa.get("align", "dense")
+            )
         else:
             self.self_attn = LisaLlamaAttention(config, layer_idx)
         self.mlp = LlamaMLP(config)
@@ -262,21 +301,32 @@ class LisaLlamaDecoderLayer(nn.Module):
         position_ids: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         cache: Cache | None = None,
-        prev_scores: torch.Tensor | None = None,
-        return_scores: bool = False,
+        prev: torch.Tensor | tuple | None = None,
+        handoff: str | None = None,
         **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | tuple | None]:
         residual = hidden_states
         normed = self.input_layernorm(hidden_states)
         if self.is_lisa:
-            attn_out, scores = self.self_attn(normed, position_ids, additive_mask, prev_scores, cache=cache)
+            attn_out, passed = self.self_attn(normed, position_ids, additive_mask, prev, cache=cache, handoff=handoff)
         else:
-            attn_out, scores = self.self_attn(
-                normed, position_embeddings, attention_mask, additive_mask, cache=cache, return_scores=return_scores, **kwargs
+            attn_out, passed = self.self_attn(
+                normed, position_embeddings, attention_mask, additive_mask, cache=cache, handoff=handoff, **kwargs
             )
         hidden_states = residual + attn_out
         hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
-        return hidden_states, scores
+        return hidden_states, passed
+
+
+def handoff_to_next_layer(config: LisaLlamaConfig, idx: int) -> str | None:
+    """What layer idx hands to layer idx + 1: nothing (next is a full layer), its (query, key) "features" (next
+    has a sparse Align and this layer can give features) or its pre-softmax "scores"."""
+    following = config.lisa_layers.get(str(idx + 1))
+    if following is None:
+        return None
+    this = config.lisa_layers.get(str(idx))
+    gives_features = this is None or this.get("align", "dense") == "sparse"
+    return "features" if following.get("align", "dense") == "sparse" and gives_features else "scores"
 
 
 class LisaLlamaPreTrainedModel(PreTrainedModel):
@@ -295,6 +345,9 @@ class LisaLlamaPreTrainedModel(PreTrainedModel):
             init.zeros_(module.bias)
             if module.ffn_out is not None:
                 init.zeros_(module.ffn_out.weight)
+        if isinstance(module, LisaSparseAlign):  # same head, scale 1: "copy the scores"
+            init.ones_(module.scale)
+            init.copy_(module.source, torch.arange(module.source.numel()))
 
 
 class LisaLlamaModel(LisaLlamaPreTrainedModel):
@@ -306,8 +359,7 @@ class LisaLlamaModel(LisaLlamaPreTrainedModel):
         self.layers = nn.ModuleList([LisaLlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
-        # layer i materialises its scores iff layer i + 1 is a LISA layer
-        self.hands_scores_on = [str(i + 1) in config.lisa_layers for i in range(config.num_hidden_layers)]
+        self.handoffs = [handoff_to_next_layer(config, i) for i in range(config.num_hidden_layers)]
         self.post_init()
 
     def forward(
@@ -350,17 +402,17 @@ class LisaLlamaModel(LisaLlamaPreTrainedModel):
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
-        scores = None
-        for layer, hands_on in zip(self.layers, self.hands_scores_on):
-            hidden_states, scores = layer(
+        passed = None
+        for layer, handoff in zip(self.layers, self.handoffs):
+            hidden_states, passed = layer(
                 hidden_states,
                 attention_mask=causal_mask,
                 additive_mask=additive_mask,
                 position_ids=position_ids,
                 position_embeddings=position_embeddings,
                 cache=cache,
-                prev_scores=scores,
-                return_scores=hands_on,
+                prev=passed,
+                handoff=handoff,
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)

@@ -258,3 +258,22 @@ def test_bad_dtype_refused_before_work(tiny_llama_dir, tmp_path):
     result = runner.invoke(app, ["convert", str(tiny_llama_dir), "--out", str(tmp_path / "out"), "--dtype", "int8"])
     assert result.exit_code == 2 and "Unknown --dtype 'int8'" in result.output
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flags", [["--lisa-align", "sparse"], ["--lisa-align", "identity", "--no-lowrank"]])
+def test_alignment_variants_convert_and_reload(tiny_llama_dir, tmp_path, flags):
+    out = tmp_path / "out"
+    result = runner.invoke(
+        app, ["convert", str(tiny_llama_dir), "--out", str(out), "--max-ppl-increase", "1000", "--no-speed", "--no-probe",
+              "--fasc-budget", "1.0", *FAST[:-2], *flags],
+        env={"HFCOMPRESS_CACHE": str(tmp_path / "cache")},
+    )
+    assert result.exit_code == 0, result.output
+    config = json.loads((out / "config.json").read_text())
+    assert config["lisa_layers"] and all(spec["align"] == "sparse" for spec in config["lisa_layers"].values())
+    report = json.loads((out / "hfcompress_report.json").read_text())
+    assert report["validation"]["reload"]["max_abs_logit_diff"] <= 1e-4
+    if "--no-lowrank" in flags:
+        assert all(f["rank"] == 0 and f["loss_final"] == f["loss_initial"] for f in report["lisa"]["fitted"])
+    else:
+        assert all(f["loss_final"] < f["loss_initial"] for f in report["lisa"]["fitted"])

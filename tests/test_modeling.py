@@ -104,3 +104,63 @@ def test_config_rejects_bad_lisa_spec():
         LisaLlamaConfig(**tiny_config().to_dict() | {"lisa_layers": {"0": {"rank": 4}}})
     with pytest.raises(Exception, match="even"):
         LisaLlamaConfig(**tiny_config().to_dict() | {"lisa_layers": {"1": {"rank": 3}}})
+
+
+SPARSE_CHAINS = {
+    "sparse after full": {"2": {"rank": 4, "align": "sparse"}},
+    "sparse chain": {"1": {"rank": 4, "align": "sparse"}, "2": {"rank": 4, "align": "sparse"}},
+    "sparse, dense, sparse": {  # a sparse layer above a dense one receives materialised scores
+        "1": {"rank": 4, "align": "sparse"}, "2": {"rank": 4, "align_hidden": 4}, "3": {"rank": 2, "align": "sparse"},
+    },
+    "sparse at rank 0": {"2": {"rank": 0, "align": "sparse"}},
+}
+
+
+def sparse_alignment(model: LisaLlamaForCausalLM) -> None:
+    """A non-trivial head matching, as conversion would set it."""
+    for layer in model.model.layers:
+        if layer.is_lisa and layer.self_attn.sparse:
+            layer.self_attn.align.source.copy_(torch.tensor([2, 0, 3, 3]))
+
+
+@pytest.mark.parametrize("spec", SPARSE_CHAINS.values(), ids=SPARSE_CHAINS.keys())
+def test_sparse_align_features_path_equals_materialised_scores(spec):
+    """The SDPA path over concatenated features computes exactly Align(S_prev) + low-rank scores."""
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM(tiny_config()).eval()
+    model = lisa_copy(reference, lisa_layers=spec)
+    sparse_alignment(model)
+    ids = torch.randint(0, 128, (2, 13))
+    materialised = lisa_copy(reference, lisa_layers=spec)
+    materialised.load_state_dict(model.state_dict())
+    materialised.model.handoffs = ["scores" if h else None for h in materialised.model.handoffs]
+    assert "features" in model.model.handoffs
+    with torch.no_grad():
+        assert (model(ids).logits - materialised(ids).logits).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("spec", SPARSE_CHAINS.values(), ids=SPARSE_CHAINS.keys())
+def test_sparse_align_generate_with_cache_equals_recompute(spec):
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM(tiny_config()).eval()
+    model = lisa_copy(reference, lisa_layers=spec)
+    sparse_alignment(model)
+    ids = torch.randint(0, 128, (2, 6))
+    with torch.no_grad():
+        generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False)
+        sequence = ids
+        for _ in range(10):
+            sequence = torch.cat([sequence, model(sequence, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(generated, sequence)
+
+
+def test_sparse_align_source_heads_survive_save_and_load(tmp_path):
+    torch.manual_seed(0)
+    model = lisa_copy(LlamaForCausalLM(tiny_config()).eval(), lisa_layers={"2": {"rank": 4, "align": "sparse"}})
+    sparse_alignment(model)
+    model.save_pretrained(tmp_path)
+    loaded = LisaLlamaForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.model.layers[2].self_attn.align.source.tolist() == [2, 0, 3, 3]
+    ids = torch.randint(0, 128, (1, 9))
+    with torch.no_grad():
+        assert (loaded(ids).logits - model(ids).logits).abs().max() <= 1e-5

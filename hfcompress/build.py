@@ -2,6 +2,7 @@
 the atomic write of the output directory (weights, config with auto_map, remote code, tokenizer, card, report).
 """
 
+import errno
 import json
 import os
 import shutil
@@ -12,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .errors import HfcompressError
+from .errors import WRITE_FAILED_EXIT, HfcompressError
 from .lisa import FittedLayer
 from .remote import AUTO_MAP, lisa_classes, remote_code_files
 
@@ -118,9 +119,10 @@ def write_output_dir(out_dir: Path, overwrite: bool, write: Callable[[Path], Non
     replaced only after the new one is complete.
     """
     out_dir = refuse_existing_output(out_dir.resolve(), overwrite)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+    tmp = None
     try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
         umask = os.umask(0)
         os.umask(umask)
         tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary directory
@@ -128,14 +130,32 @@ def write_output_dir(out_dir: Path, overwrite: bool, write: Callable[[Path], Non
         if out_dir.exists():
             old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
             out_dir.rename(old)
-            tmp.rename(out_dir)
-            shutil.rmtree(old)
+            try:
+                tmp.rename(out_dir)
+            except BaseException:
+                old.rename(out_dir)  # put the earlier output back
+                raise
+            shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as err:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, OSError):
+            raise HfcompressError(_write_failure(out_dir, err), exit_code=WRITE_FAILED_EXIT) from err
         raise
     return out_dir
+
+
+def _write_failure(out_dir: Path, err: OSError) -> str:
+    kept = "nothing was written and any earlier output there is untouched"
+    if err.errno == errno.ENOSPC:
+        return (
+            f"The disk is full while writing {out_dir}: free some space and rerun the same command "
+            f"(calibration is cached); {kept}."
+        )
+    where = f" ({err.filename})" if err.filename else ""
+    return f"Cannot write {out_dir}: {err.strerror or err}{where}; {kept}: check permissions and free space, then rerun."
 
 
 def save_model_files(

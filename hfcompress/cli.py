@@ -81,6 +81,9 @@ def convert(
     fasc_method: str = typer.Option("fisher", help=f"FASC subspace: {', '.join(METHODS)}."),
     heal_steps: int = typer.Option(0, help="FASC healing: LoRA (peft) distillation steps, merged before saving."),
     fasc_targets: str = typer.Option(",".join(DEFAULT_TARGETS), help="FASC: linear layers to factorise."),
+    fasc_rho_keep: float = typer.Option(
+        None, help="FASC: linears whose rho (activation-gradient dependence) exceeds this stay dense [default: none]."
+    ),
     calib_text: Path = typer.Option(None, help="UTF-8 text for calibration [default: built-in English text]."),
     eval_text: Path = typer.Option(None, help="UTF-8 text for perplexity [default: held-out part of the calibration text]."),
     calib_sequences: int = typer.Option(16, help="Number of calibration sequences."),
@@ -136,7 +139,10 @@ def convert(
                 seed=seed,
             ),
             fasc=FascOptions(
-                method=fasc_method, budget=fasc_budget, targets=tuple(t.strip() for t in fasc_targets.split(",") if t.strip())
+                method=fasc_method,
+                budget=fasc_budget,
+                targets=tuple(t.strip() for t in fasc_targets.split(",") if t.strip()),
+                rho_keep_threshold=fasc_rho_keep,
             ),
         )
         if options.fasc.method not in METHODS:

@@ -95,3 +95,16 @@ def test_compress_linears_respects_budget():
     )
     assert kept <= 0.5 * sum(l.weight.numel() for l in linears.values())
     assert {r.name for r in results} == set(linears)
+
+
+def test_rho_threshold_keeps_untrusted_layers_dense_within_the_budget():
+    model, stats = stats_for()
+    linears = {"0.0": model.model.layers[0][0], "0.1": model.model.layers[0][1]}
+    rhos = {name: dependence_violation(stats[name]) for name in linears}
+    untrusted, trusted = sorted(rhos, key=rhos.get, reverse=True)
+    threshold = (rhos[untrusted] + rhos[trusted]) / 2
+    factors, results = compress_linears(linears, stats, FascOptions(budget=0.8, rho_keep_threshold=threshold))
+    ranks = {r.name: r.rank for r in results}
+    assert ranks[untrusted] is None and ranks[trusted] is not None
+    kept = linears[untrusted].weight.numel() + sum(a.numel() + b.numel() for a, b in factors.values())
+    assert kept <= 0.8 * sum(l.weight.numel() for l in linears.values())

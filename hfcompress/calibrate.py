@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .errors import HfcompressError
-from .progress import progress_bar
+from .progress import console, progress_bar
 
 RHO_PROBES = 64
 
@@ -31,14 +31,25 @@ def tensor_fingerprint(ids: torch.Tensor) -> str:
 
 
 def load_or_compute(path: Path, compute):
-    """torch.load(path) if a previous run finished it, else compute, save atomically, return."""
+    """torch.load(path) if a previous run finished it, else compute, save atomically, return.
+
+    The cache only saves time: an unreadable entry is recomputed and a failed save (say, a full disk) is logged and
+    skipped, leaving no partial file behind.
+    """
     if path.is_file():
-        return torch.load(path, weights_only=False)
+        try:
+            return torch.load(path, weights_only=False)
+        except Exception as err:  # torch/pickle raise many types on a damaged file
+            console.log(f"[yellow]cache entry {path.name} is unreadable ({type(err).__name__}); recomputing it[/]")
     value = compute()
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".partial")
-    torch.save(value, tmp)
-    tmp.replace(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(value, tmp)
+        tmp.replace(path)
+    except (OSError, RuntimeError) as err:  # torch reports a failed write as RuntimeError
+        tmp.unlink(missing_ok=True)
+        console.log(f"[yellow]could not cache {path.name} ({err}); continuing without it[/]")
     return value
 
 

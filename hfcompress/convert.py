@@ -5,6 +5,7 @@ report dict that is saved as `hfcompress_report.json` and rendered into the card
 """
 
 import json
+import math
 import os
 import shlex
 import sys
@@ -18,7 +19,7 @@ from . import __version__
 from .build import build_converted_model, parameter_counts, refuse_existing_output, save_model_files, write_output_dir
 from .calibrate import cache_key, collect_attention_inputs, collect_linear_stats, load_or_compute, tensor_fingerprint
 from .card import write_card
-from .errors import HfcompressError
+from .errors import GATE_FAILED_EXIT, HfcompressError
 from .fasc import FascOptions, compress_linears
 from .heal import heal_with_lora, tune_lisa_end_to_end
 from .lisa import LisaOptions, fit_lisa, measure_similarity, select_layers
@@ -33,7 +34,6 @@ from .text import BUILTIN_TEXT_NAME, builtin_text, chunk, read_text_file, tokeni
 from .validate import compare_reload, perplexity
 
 REPORT_FILE = "hfcompress_report.json"
-GATE_FAILED_EXIT = 3
 
 
 @dataclass
@@ -45,6 +45,7 @@ class ConvertOptions:
     revision: str | None = None
     overwrite: bool = False
     force: bool = False
+    trust_remote_code: bool = False  # accept a source that declares custom code (its code is still never run)
     max_ppl_increase: float = 10.0  # percent
     calib_text: Path | None = None
     eval_text: Path | None = None
@@ -164,7 +165,7 @@ class Prepared:
 
 def prepare(options: ConvertOptions, token: str | None = None) -> Prepared:
     """Resolve and load SOURCE, tokenise calibration and evaluation text."""
-    source = resolve_source(options.source, options.revision, token)
+    source = resolve_source(options.source, options.revision, token, options.trust_remote_code)
     model, tokenizer = load_source(source)
     sequences, eval_ids, calib_name, eval_name = token_streams(options, tokenizer)
     cache = options.cache_dir / cache_key(_source_identity(source), tensor_fingerprint(sequences))
@@ -248,6 +249,12 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> dict:
     with _step("validate: perplexity", timings):
         ppl_original = perplexity(model, eval_ids, options.eval_context, max_tokens=options.eval_tokens, label="perplexity: original")
         ppl_converted = perplexity(converted, eval_ids, options.eval_context, max_tokens=options.eval_tokens, label="perplexity: converted")
+    for name, ppl in (("source", ppl_original), ("converted", ppl_converted)):
+        if not math.isfinite(ppl.perplexity):  # NaN would slip through the gate comparison as "failed"
+            raise HfcompressError(
+                f"The {name} model's perplexity is {ppl.perplexity} (NaN/inf logits on the evaluation text): its "
+                "weights overflow; nothing was written."
+            )
     increase = 100.0 * (ppl_converted.perplexity / ppl_original.perplexity - 1.0)
     gate_passed = increase <= options.max_ppl_increase
     gate_message = (
@@ -347,7 +354,9 @@ def publish(
                 exit_code=GATE_FAILED_EXIT,
             )
         with _step("push", timings):
-            url = push_folder(out_dir, options.push_to, token, options.private, f"hfcompress: {gate_message}")
+            url = push_folder(
+                out_dir, options.push_to, token, options.private, f"hfcompress: {gate_message}", force=not gate_passed
+            )
         report["push"] = {"repo_id": options.push_to, "commit_url": url}
         console.log(f"pushed {options.push_to}: {url}")
     elif not gate_passed:

@@ -1,11 +1,15 @@
-"""Step 8, push: create the repo and upload the whole output folder in one commit."""
+"""Step 8, push: create the repo and upload the whole output folder in one commit, retrying transient failures."""
 
+import json
+import shlex
 from pathlib import Path
 
+import httpx2
 from huggingface_hub import HfApi, get_token
 from huggingface_hub.errors import HfHubHTTPError
 
-from .errors import HfcompressError
+from .errors import GATE_FAILED_EXIT, PUSH_FAILED_EXIT, HfcompressError
+from .hub import configure_http, describe, status_code, with_retries
 
 
 def require_token() -> str:
@@ -16,18 +20,62 @@ def require_token() -> str:
     return token
 
 
-def push_folder(directory: Path, repo_id: str, token: str, private: bool, commit_message: str) -> str:
-    """create_repo(exist_ok) + one upload commit of `directory`; returns the commit URL."""
+def check_output_dir(directory: Path, force: bool) -> None:
+    """Refuse a directory that is not a finished hfcompress output, or whose quality gate failed (unless force)."""
+    from .convert import REPORT_FILE  # convert imports this module
+
+    report = directory / REPORT_FILE
+    if not (directory / "config.json").is_file() or not report.is_file():
+        raise HfcompressError(f"{directory} is not a complete hfcompress output directory.")
+    validation = json.loads(report.read_text()).get("validation", {})
+    if not validation.get("gate_passed") and not force:
+        raise HfcompressError(
+            f"Not pushing {directory}: it failed the quality gate ({validation.get('gate_message', 'no result')}); "
+            "pass --force to push it anyway.",
+            exit_code=GATE_FAILED_EXIT,
+        )
+
+
+def push_command(directory: Path, repo_id: str, private: bool, force: bool = False) -> str:
+    """The `hfcompress push` command line that retries this push later."""
+    args = ["hfcompress", "push", str(directory), repo_id] + ["--private"] * private + ["--force"] * force
+    return shlex.join(args)
+
+
+def push_folder(
+    directory: Path, repo_id: str, token: str, private: bool, commit_message: str, force: bool = False
+) -> str:
+    """create_repo(exist_ok) + one commit that makes the repo hold exactly `directory`; returns the commit URL.
+
+    Files of an earlier version that `directory` lacks (say, old weight shards) are deleted in that same commit, so
+    the repo holds either the old file set or the complete new one, never a mix. Transient failures are retried
+    (see hub.py); on a final failure the local directory is untouched and the message says how to push it later.
+    """
+    configure_http()
     api = HfApi(token=token)
-    try:
+
+    def attempt() -> str:
         api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
         commit = api.upload_folder(
-            folder_path=str(directory), repo_id=repo_id, repo_type="model", commit_message=commit_message
+            folder_path=str(directory), repo_id=repo_id, repo_type="model", commit_message=commit_message,
+            delete_patterns="*",  # .gitattributes is always kept by huggingface_hub
         )
-    except HfHubHTTPError as err:
-        status = err.response.status_code if err.response is not None else "no response"
+        return commit.commit_url
+
+    try:
+        return with_retries(attempt, f"push to {repo_id}")
+    except (HfHubHTTPError, httpx2.TransportError) as err:
+        later = push_command(directory, repo_id, private, force)
+        if status_code(err) in (401, 403):
+            reason = getattr(err, "server_message", None) or "token not accepted"
+            raise HfcompressError(
+                f"The Hub refused the push to {repo_id} (HTTP {status_code(err)}: {reason.rstrip('.')}): log in with "
+                f"a token that can write to it (`hf auth login`), then run `{later}`; the converted model is kept in "
+                f"{directory}.",
+                exit_code=PUSH_FAILED_EXIT,
+            ) from err
         raise HfcompressError(
-            f"Push to {repo_id} failed (HTTP {status}); the converted model is intact in {directory}: "
-            f"push it later with `hfcompress push {directory} {repo_id}`."
+            f"Push to {repo_id} failed ({describe(err)}); the converted model is kept in {directory}: push it later "
+            f"with `{later}`.",
+            exit_code=PUSH_FAILED_EXIT,
         ) from err
-    return commit.commit_url

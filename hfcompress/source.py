@@ -1,23 +1,30 @@
 """Step 1, fetch: resolve SOURCE (Hub id, local directory, .gguf file or the built-in model) and load it.
 
-Source models are always loaded with transformers' own Llama classes: code shipped inside a source repo is
-never executed.
+Source models are always loaded with transformers' own Llama classes: Python code shipped inside a source repo is
+never downloaded nor executed, with or without --trust-remote-code. A source that declares custom code (an
+`auto_map` in config.json or tokenizer_config.json) is refused unless --trust-remote-code is given; with it, the
+source is converted as a Llama model if its config has the Llama fields and its safetensors hold exactly the Llama
+tensors (checked at load), and its tokenizer is read from tokenizer.json by the built-in fast tokenizer class.
 """
 
 import importlib.util
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import httpx2  # huggingface_hub's HTTP client library: its TransportError is "no network"
 import torch
 
 from .errors import HfcompressError
+from .hub import configure_http, describe, http_timeout, status_code, with_retries
 
 BUILTIN_SOURCE = "smollm2-135m-instruct"
 BUILTIN_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUILTIN_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the GGUF was quantised from
 SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM"}
+# What a custom-code config must still define to be loaded as a Llama model under --trust-remote-code.
+LLAMA_CONFIG_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 # Only what a Llama checkpoint needs: no *.bin pickles, no .pth, no source code.
 HUB_ALLOW_PATTERNS = [
     "config.json",
@@ -42,6 +49,7 @@ class ResolvedSource:
     revision: str | None = None
     commit_sha: str | None = None
     base_model: str | None = None  # Hub id for the card's base_model, when known
+    custom_code: bool = False  # the source declares custom code (auto_map); accepted only with --trust-remote-code
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -59,24 +67,52 @@ def _builtin_gguf() -> Path:
     return path
 
 
-def _check_architecture(config: dict, where: str) -> None:
+def _check_architecture(config: dict, tokenizer_config: dict, where: str, trust_remote_code: bool) -> bool:
+    """Refuse what hfcompress cannot convert; returns whether the source declares custom code."""
+    custom = [name for name, cfg in (("config.json", config), ("tokenizer_config.json", tokenizer_config)) if "auto_map" in cfg]
+    if custom and not trust_remote_code:
+        raise HfcompressError(
+            f"{where} ships its own Python code (auto_map in {' and '.join(custom)}), which hfcompress never runs: "
+            "pass --trust-remote-code to convert it anyway with transformers' built-in Llama classes."
+        )
     model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    llama_like = "auto_map" in config and all(field in config for field in LLAMA_CONFIG_FIELDS)
+    if model_type not in SUPPORTED_MODEL_TYPES and not (trust_remote_code and llama_like):
         supported = ", ".join(f"{t} ({a})" for t, a in SUPPORTED_MODEL_TYPES.items())
         raise HfcompressError(
             f"{where} is a '{model_type}' model ({', '.join(config.get('architectures') or ['unknown'])}); "
             f"hfcompress supports only: {supported}."
         )
+    return bool(custom)
 
 
-def _resolve_local_dir(path: Path, name: str) -> ResolvedSource:
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise HfcompressError(f"{path} is not valid JSON ({err}): replace it with the file of the original model.") from err
+
+
+def _require_tokenizer(files: set[str], where: str) -> None:
+    if not any(name in files for name in TOKENIZER_FILES):
+        raise HfcompressError(
+            f"{where} has no tokenizer ({' or '.join(TOKENIZER_FILES)}): add the tokenizer files of its base model."
+        )
+
+
+def _resolve_local_dir(path: Path, name: str, trust_remote_code: bool) -> ResolvedSource:
     config_path = path / "config.json"
     if not config_path.is_file():
         raise HfcompressError(f"{path} has no config.json: point SOURCE at a saved transformers model directory.")
-    _check_architecture(json.loads(config_path.read_text()), str(path))
+    tokenizer_config = path / "tokenizer_config.json"
+    custom = _check_architecture(
+        _read_json(config_path), _read_json(tokenizer_config) if tokenizer_config.is_file() else {}, str(path),
+        trust_remote_code,
+    )
     if not any(path.glob("*.safetensors")):
         raise HfcompressError(f"{path} has no *.safetensors weights: save the model with safe_serialization=True.")
-    return ResolvedSource(kind="local", name=name, path=str(path))
+    _require_tokenizer({f.name for f in path.iterdir()}, str(path))
+    return ResolvedSource(kind="local", name=name, path=str(path), custom_code=custom)
 
 
 def _resolve_gguf(path: Path, name: str) -> ResolvedSource:
@@ -86,11 +122,11 @@ def _resolve_gguf(path: Path, name: str) -> ResolvedSource:
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     except Exception as err:  # gguf raises many types on a bad file
         raise HfcompressError(f"{path} is not a readable GGUF model ({type(err).__name__}: {err}).") from err
-    _check_architecture(config.to_dict(), str(path))
+    _check_architecture(config.to_dict(), {}, str(path), trust_remote_code=False)  # a GGUF holds no code
     return ResolvedSource(kind="gguf", name=name, path=str(path.parent), gguf_file=path.name)
 
 
-def _resolve_hub(repo_id: str, revision: str | None, token: str | None) -> ResolvedSource:
+def _resolve_hub(repo_id: str, revision: str | None, token: str | None, trust_remote_code: bool) -> ResolvedSource:
     from huggingface_hub import HfApi, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -100,37 +136,54 @@ def _resolve_hub(repo_id: str, revision: str | None, token: str | None) -> Resol
         RevisionNotFoundError,
     )
 
+    configure_http()
     api = HfApi(token=token)
+    where = f"Hub repo {repo_id}"
     try:
-        info = api.model_info(repo_id, revision=revision)
+        # model_info is not retried by huggingface_hub (downloads are); it also needs an explicit timeout
+        info = with_retries(lambda: api.model_info(repo_id, revision=revision, timeout=http_timeout()), where)
         files = {s.rfilename for s in info.siblings or []}
         if "config.json" not in files:
-            raise HfcompressError(f"Hub repo {repo_id} has no config.json: it is not a transformers model.")
-        config_file = api.hf_hub_download(repo_id, "config.json", revision=info.sha)
-        _check_architecture(json.loads(Path(config_file).read_text()), f"Hub repo {repo_id}")
+            raise HfcompressError(f"{where} has no config.json: it is not a transformers model.")
+        # small files first, so a source that would be refused costs no weight download
+        config = _read_json(Path(api.hf_hub_download(repo_id, "config.json", revision=info.sha)))
+        tokenizer_config = (
+            _read_json(Path(api.hf_hub_download(repo_id, "tokenizer_config.json", revision=info.sha)))
+            if "tokenizer_config.json" in files
+            else {}
+        )
+        custom = _check_architecture(config, tokenizer_config, where, trust_remote_code)
         if not any(f.endswith(".safetensors") for f in files):
-            raise HfcompressError(f"Hub repo {repo_id} has no *.safetensors weights; hfcompress does not load pickles.")
-        path = snapshot_download(repo_id, revision=info.sha, allow_patterns=HUB_ALLOW_PATTERNS, token=token)
+            raise HfcompressError(f"{where} has no *.safetensors weights; hfcompress does not load pickles.")
+        _require_tokenizer(files, where)
+        # by name, not by sha: only then does the cache record the branch/tag, which HF_HUB_OFFLINE=1 reruns need
+        path = snapshot_download(repo_id, revision=revision or "main", allow_patterns=HUB_ALLOW_PATTERNS, token=token)
     except GatedRepoError as err:
         raise HfcompressError(
-            f"Hub repo {repo_id} is gated: accept its terms on the model page and log in (`hf auth login`)."
+            f"{where} is gated: accept its terms on the model page and log in (`hf auth login`) with that account."
         ) from err
     except RepositoryNotFoundError as err:
         raise HfcompressError(
-            f"Hub repo {repo_id} was not found: check the name, or log in (`hf auth login`) if it is private."
+            f"{where} was not found: check the name, or log in (`hf auth login`) if it is private."
         ) from err
     except RevisionNotFoundError as err:
-        raise HfcompressError(f"Revision '{revision}' does not exist in Hub repo {repo_id}.") from err
-    except LocalEntryNotFoundError as err:
+        raise HfcompressError(f"Revision '{revision}' does not exist in {where}: check the branch, tag or commit.") from err
+    except (LocalEntryNotFoundError, httpx2.TransportError) as err:
         raise HfcompressError(
-            f"Cannot reach the Hub for {repo_id}: pass a local model directory instead, "
+            f"Cannot reach the Hub for {repo_id} ({type(err).__name__}): pass a local model directory instead, "
             "or set HF_HUB_OFFLINE=1 to use files already in the cache."
         ) from err
     except HfHubHTTPError as err:
-        raise HfcompressError(f"The Hub refused the download of {repo_id}: {err.server_message or err}.") from err
+        if status_code(err) == 401:
+            raise HfcompressError(
+                f"The Hub rejected your token for {where} (HTTP 401): log in again with `hf auth login`."
+            ) from err
+        raise HfcompressError(
+            f"The Hub refused the download of {repo_id} ({describe(err)}: {err.server_message or 'no details'})."
+        ) from err
     return ResolvedSource(
-        kind="hub", name=repo_id, path=path, repo_id=repo_id, revision=revision or "main", commit_sha=info.sha,
-        base_model=repo_id,
+        kind="hub", name=repo_id, path=path, repo_id=repo_id, revision=revision or "main",
+        commit_sha=Path(path).name, base_model=repo_id, custom_code=custom,  # the snapshot directory is its commit
     )
 
 
@@ -139,8 +192,12 @@ def looks_like_repo_id(source: str) -> bool:
     return len(parts) == 2 and all(parts) and not source.startswith((".", "/", "~"))
 
 
-def resolve_source(source: str, revision: str | None = None, token: str | None = None) -> ResolvedSource:
+def resolve_source(
+    source: str, revision: str | None = None, token: str | None = None, trust_remote_code: bool = False
+) -> ResolvedSource:
     """Turn what the user typed into local files, downloading only what a Llama checkpoint needs."""
+    from huggingface_hub import constants
+
     if source == BUILTIN_SOURCE:
         gguf = _builtin_gguf()
         return ResolvedSource(
@@ -148,49 +205,90 @@ def resolve_source(source: str, revision: str | None = None, token: str | None =
         )
     path = Path(source).expanduser()
     if path.is_dir():
-        return _resolve_local_dir(path.resolve(), source)
+        return _resolve_local_dir(path.resolve(), source, trust_remote_code)
     if path.is_file():
         if path.suffix != ".gguf":
             raise HfcompressError(f"{source} is a file but not a .gguf model: pass a model directory, a .gguf or a Hub id.")
         return _resolve_gguf(path.resolve(), source)
-    if looks_like_repo_id(source) and not os.environ.get("HF_HUB_OFFLINE") == "1":
-        return _resolve_hub(source, revision, token)
     if looks_like_repo_id(source):
-        return _resolve_hub_offline(source, revision)
+        if constants.HF_HUB_OFFLINE:
+            return _resolve_hub_offline(source, revision, trust_remote_code)
+        return _resolve_hub(source, revision, token, trust_remote_code)
     raise HfcompressError(
         f"'{source}' is neither an existing path nor a Hub id like 'user/model' "
         f"(use '{BUILTIN_SOURCE}' for the built-in model)."
     )
 
 
-def _resolve_hub_offline(repo_id: str, revision: str | None) -> ResolvedSource:
+def _resolve_hub_offline(repo_id: str, revision: str | None, trust_remote_code: bool) -> ResolvedSource:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
         path = snapshot_download(repo_id, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS, local_files_only=True)
     except LocalEntryNotFoundError as err:
-        raise HfcompressError(f"HF_HUB_OFFLINE=1 and {repo_id} is not in the local Hub cache.") from err
-    _resolve_local_dir(Path(path), repo_id)
+        raise HfcompressError(
+            f"HF_HUB_OFFLINE=1 and {repo_id} is not in the local Hub cache: download it once online, or pass a local "
+            "model directory."
+        ) from err
+    local = _resolve_local_dir(Path(path), repo_id, trust_remote_code)
     return ResolvedSource(
         kind="hub", name=repo_id, path=path, repo_id=repo_id, revision=revision or "main",
-        commit_sha=Path(path).name, base_model=repo_id,
+        commit_sha=Path(path).name, base_model=repo_id, custom_code=local.custom_code,
     )
 
 
-def load_source(source: ResolvedSource, dtype: torch.dtype = torch.float32):
-    """(model, tokenizer) with transformers' LlamaForCausalLM in eval mode, weights as plain tensors."""
-    from transformers import AutoTokenizer, LlamaForCausalLM
+def _load_tokenizer(source: ResolvedSource):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source.path, **kwargs)
+        if source.custom_code:  # its tokenizer class is custom code: read tokenizer.json with the built-in class
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(source.path)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=False, **kwargs)
     except (OSError, ValueError) as err:
-        raise HfcompressError(f"No usable tokenizer in {source.name}: the source must ship its tokenizer files.") from err
+        raise HfcompressError(
+            f"The tokenizer of {source.name} cannot be loaded ({_first_line(err)}): the source must ship a working "
+            "tokenizer.json or tokenizer.model."
+        ) from err
+    tokenizer.init_kwargs.pop("auto_map", None)  # else the saved tokenizer_config.json points at code we never ship
+    return tokenizer
+
+
+def _first_line(err: BaseException, limit: int = 200) -> str:
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def load_source(source: ResolvedSource, dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) with transformers' LlamaForCausalLM in eval mode, weights as plain tensors.
+
+    Refuses weights that are corrupt or truncated, that miss or add tensors with respect to the Llama layout (which
+    transformers would otherwise fill with random values or silently drop), or that hold NaN/inf.
+    """
+    from transformers import LlamaForCausalLM
+
+    tokenizer = _load_tokenizer(source)
+    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     try:
-        model = LlamaForCausalLM.from_pretrained(source.path, dtype=dtype, **kwargs)
+        model, info = LlamaForCausalLM.from_pretrained(source.path, dtype=dtype, output_loading_info=True, **kwargs)
     except Exception as err:  # safetensors / torch raise several types on corrupt files
-        raise HfcompressError(f"Cannot load the weights of {source.name} ({type(err).__name__}: {err}).") from err
+        raise HfcompressError(
+            f"The weights of {source.name} are corrupt or truncated ({type(err).__name__}: {_first_line(err)}): "
+            "download or save them again."
+        ) from err
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    missing = sorted(set(info["missing_keys"]) - tied)
+    unexpected = sorted(info["unexpected_keys"]) + sorted(str(k) for k in info["mismatched_keys"])
+    if missing or unexpected:
+        raise HfcompressError(
+            f"The weights of {source.name} do not match the Llama layout (missing {missing[:3]}, unexpected or "
+            f"mismatched {unexpected[:3]}): it is an incomplete checkpoint or not a Llama model."
+        )
+    for name, tensor in model.state_dict().items():
+        if not torch.isfinite(tensor).all():
+            raise HfcompressError(f"The weights of {source.name} contain NaN or inf (in {name}): the checkpoint is broken.")
     # a dequantised GGUF is a plain float model from here on; keep no quantizer state that save would record
     model.hf_quantizer = None
     for attr in ("quantization_config", "_pre_quantization_dtype"):

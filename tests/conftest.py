@@ -32,7 +32,8 @@ def local_hub(tmp_path_factory, monkeypatch):
     * Inspect state with ``local_hub.commits(repo_id)``, ``.files(repo_id, revision)``, ``.read_file(...)``,
       ``.head(repo_id)``, ``.requests`` (request log); seed repos server-side with ``.upload_files(repo_id, {...})``;
       gate/privatize with ``.set_gated(repo_id, allowed_users=...)`` / ``.set_private(repo_id)``; inject faults with
-      ``.inject_fault("GET", "/org/name/resolve/", 503)`` (also ``"reset"``, ``"truncate"``, ``"delay:2"``).
+      ``.inject_fault("GET", "/org/name/resolve/", 503)`` (also ``"reset"``, ``"truncate"``, ``"delay:2"``,
+      ``"stall:2"``, ``"echo-auth:403"``).
     * Also forces ``huggingface_hub.constants.HF_HUB_DISABLE_XET = True`` in this process (hf_xet is installed and
       the local Hub has no Xet backend): uploads then go through the legacy LFS protocol.
 

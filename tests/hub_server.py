@@ -248,7 +248,9 @@ class LocalHub:
         self.verbose = verbose
         # Fault injection: (METHOD or "*", path prefix) -> list of actions consumed one per matching request.
         # An action is an int status code (e.g. 503), "reset" (close the connection without answering),
-        # "truncate" (GET resolve only: send headers and half the body then close) or "delay:<seconds>".
+        # "truncate" (GET resolve only: send headers and half the body then close), "delay:<seconds>" (then answer
+        # normally), "stall:<seconds>" (wait, then close without answering or applying the request) or
+        # "echo-auth:<status>" (answer <status> with the request's Authorization header quoted in the error message).
         self.faults: dict[tuple[str, str], list] = {}
         self.requests: list[RequestRecord] = []
         self._lock = threading.RLock()
@@ -301,7 +303,9 @@ class LocalHub:
             self.read_only_tokens.add(token)
 
     def inject_fault(self, method: str, path_prefix: str, *actions) -> None:
-        """E.g. ``hub.inject_fault("GET", "/org/model/resolve/", 503)`` → next matching GET answers 503 once."""
+        """E.g. ``hub.inject_fault("GET", "/org/model/resolve/", 503)`` → next matching GET answers 503 once.
+
+        Actions (consumed one per matching request): see ``self.faults`` in ``__init__``."""
         with self._lock:
             self.faults.setdefault((method.upper(), path_prefix), []).extend(actions)
 
@@ -595,6 +599,16 @@ class _Handler(BaseHTTPRequestHandler):
             if action is not None:
                 if isinstance(action, str) and action.startswith("delay:"):
                     time.sleep(float(action.split(":", 1)[1]))
+                elif isinstance(action, str) and action.startswith("stall:"):
+                    time.sleep(float(action.split(":", 1)[1]))  # a dead server: no answer, request not applied
+                    self._drain_body()
+                    self.close_connection = True
+                    return
+                elif isinstance(action, str) and action.startswith("echo-auth:"):
+                    # a misbehaving proxy that quotes the request's credentials back in its error
+                    self._drain_body()
+                    echoed = self.headers.get("Authorization", "")
+                    raise HubError(int(action.split(":", 1)[1]), f"Rejected request with {echoed}", code="Echo")
                 elif action == "reset":
                     self._drain_body()
                     self.close_connection = True

@@ -46,7 +46,7 @@ from .lisa import SIMILARITY_SEQUENCES, causal_mask, converted_scores, fit_share
 from .memory import peak_memory
 from .progress import console, progress_bar
 from .remote import import_remote
-from .source import ResolvedSource, resolve_source
+from .source import ResolvedSource, load_tokenizer, resolve_source
 from .speed import hardware_description
 from .validate import PerplexityResult, reload_in_fresh_process
 
@@ -554,7 +554,7 @@ def check_structure(directory: Path) -> dict:
 
 
 def _source(options, token: str | None) -> ResolvedSource:
-    source = resolve_source(options.source, options.revision, token)
+    source = resolve_source(options.source, options.revision, token, options.trust_remote_code)
     if source.gguf_file:
         raise HfcompressError(
             f"--layer-by-layer reads safetensors shards and {source.name} is a GGUF: convert it without --layer-by-layer, "
@@ -565,7 +565,7 @@ def _source(options, token: str | None) -> ResolvedSource:
 
 def convert_layer_by_layer(options, argv: list[str] | None = None) -> dict:
     """`convert --layer-by-layer`: the same conversion as convert.convert with one layer in memory at a time."""
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import GenerationConfig, LlamaConfig
 
     from . import convert as pipeline  # shared report pieces; imported here because convert.py dispatches to us
     from .card import write_card
@@ -581,8 +581,8 @@ def convert_layer_by_layer(options, argv: list[str] | None = None) -> dict:
 
     with pipeline._step("fetch", timings):
         source = _source(options, token)
-        tokenizer = AutoTokenizer.from_pretrained(source.path)
-        source_config = AutoConfig.from_pretrained(source.path)
+        tokenizer = load_tokenizer(source)
+        source_config = LlamaConfig.from_pretrained(source.path)  # never the source's own config class
         sequences, eval_ids, calib_name, eval_name = pipeline.token_streams(options, tokenizer)
         if int(max(sequences.max(), eval_ids.max())) >= source_config.vocab_size:
             raise HfcompressError(f"The tokenizer of {source.name} makes ids beyond the model's vocabulary ({source_config.vocab_size}).")

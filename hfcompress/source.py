@@ -238,7 +238,8 @@ def _resolve_hub_offline(repo_id: str, revision: str | None, trust_remote_code: 
     )
 
 
-def _load_tokenizer(source: ResolvedSource):
+def load_tokenizer(source: ResolvedSource):
+    """The source's tokenizer through transformers' built-in classes; custom tokenizer code is never run."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
@@ -269,7 +270,7 @@ def load_source(source: ResolvedSource, dtype: torch.dtype = torch.float32):
     """
     from transformers import LlamaForCausalLM
 
-    tokenizer = _load_tokenizer(source)
+    tokenizer = load_tokenizer(source)
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     try:
         model, info = LlamaForCausalLM.from_pretrained(source.path, dtype=dtype, output_loading_info=True, **kwargs)

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx2  # huggingface_hub's HTTP client library: its TransportError is "no network"
 import torch
 
-from .errors import HfcompressError
+from .errors import WRITE_FAILED_EXIT, HfcompressError
 from .hub import configure_http, describe, http_timeout, status_code, with_retries
 
 BUILTIN_SOURCE = "smollm2-135m-instruct"
@@ -69,7 +69,8 @@ def _builtin_gguf() -> Path:
 
 def _check_architecture(config: dict, tokenizer_config: dict, where: str, trust_remote_code: bool) -> bool:
     """Refuse what hfcompress cannot convert; returns whether the source declares custom code."""
-    custom = [name for name, cfg in (("config.json", config), ("tokenizer_config.json", tokenizer_config)) if "auto_map" in cfg]
+    declared = (("config.json", config), ("tokenizer_config.json", tokenizer_config))
+    custom = [name for name, cfg in declared if "auto_map" in cfg]
     if custom and not trust_remote_code:
         raise HfcompressError(
             f"{where} ships its own Python code (auto_map in {' and '.join(custom)}), which hfcompress never runs: "
@@ -90,7 +91,9 @@ def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise HfcompressError(f"{path} is not valid JSON ({err}): replace it with the file of the original model.") from err
+        raise HfcompressError(
+            f"{path} is not valid JSON ({err}): replace it with the file of the original model."
+        ) from err
 
 
 def _require_tokenizer(files: set[str], where: str) -> None:
@@ -127,7 +130,7 @@ def _resolve_gguf(path: Path, name: str) -> ResolvedSource:
 
 
 def _resolve_hub(repo_id: str, revision: str | None, token: str | None, trust_remote_code: bool) -> ResolvedSource:
-    from huggingface_hub import HfApi, snapshot_download
+    from huggingface_hub import HfApi, constants, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
         HfHubHTTPError,
@@ -167,7 +170,9 @@ def _resolve_hub(repo_id: str, revision: str | None, token: str | None, trust_re
             f"{where} was not found: check the name, or log in (`hf auth login`) if it is private."
         ) from err
     except RevisionNotFoundError as err:
-        raise HfcompressError(f"Revision '{revision}' does not exist in {where}: check the branch, tag or commit.") from err
+        raise HfcompressError(
+            f"Revision '{revision}' does not exist in {where}: check the branch, tag or commit."
+        ) from err
     except (LocalEntryNotFoundError, httpx2.TransportError) as err:
         raise HfcompressError(
             f"Cannot reach the Hub for {repo_id} ({type(err).__name__}): pass a local model directory instead, "
@@ -180,6 +185,12 @@ def _resolve_hub(repo_id: str, revision: str | None, token: str | None, trust_re
             ) from err
         raise HfcompressError(
             f"The Hub refused the download of {repo_id} ({describe(err)}: {err.server_message or 'no details'})."
+        ) from err
+    except OSError as err:  # after the HTTP errors, which are OSErrors too: here the local cache failed
+        raise HfcompressError(
+            f"Cannot store {repo_id} in the Hub cache ({err.strerror or err}): free space in {constants.HF_HUB_CACHE} "
+            "(or point HF_HOME elsewhere) and rerun.",
+            exit_code=WRITE_FAILED_EXIT,
         ) from err
     return ResolvedSource(
         kind="hub", name=repo_id, path=path, repo_id=repo_id, revision=revision or "main",
@@ -289,7 +300,9 @@ def load_source(source: ResolvedSource, dtype: torch.dtype = torch.float32):
         )
     for name, tensor in model.state_dict().items():
         if not torch.isfinite(tensor).all():
-            raise HfcompressError(f"The weights of {source.name} contain NaN or inf (in {name}): the checkpoint is broken.")
+            raise HfcompressError(
+                f"The weights of {source.name} contain NaN or inf (in {name}): the checkpoint is broken."
+            )
     # a dequantised GGUF is a plain float model from here on; keep no quantizer state that save would record
     model.hf_quantizer = None
     for attr in ("quantization_config", "_pre_quantization_dtype"):

@@ -341,6 +341,20 @@ def test_disk_full_keeps_earlier_output(warm, tmp_path, monkeypatch):
     assert sorted(p.name for p in out.iterdir()) == ["earlier.txt"] and not leftovers(tmp_path)
 
 
+def test_disk_full_while_downloading(hub_inprocess, hub_api, tiny_llama_dir, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    upload(hub_api, tiny_llama_dir, f"{HUB_USER}/tiny")
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", no_space)
+    out = tmp_path / "o"
+    result = convert(f"{HUB_USER}/tiny", "--out", str(out))
+    assert_refused(result, 5, "Cannot store test-user/tiny in the Hub cache (No space left on device)", out=out)
+
+
 def test_cache_save_on_full_disk_is_skipped(tmp_path, monkeypatch):
     import hfcompress.calibrate as calibrate
 

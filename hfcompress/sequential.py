@@ -240,6 +240,13 @@ def forward_pass(run: Run) -> list:
     stream, processes = run.stream, run.processes
     marks = [run.hidden_dir / f"similarity-{idx}.pt" for idx in range(stream.num_layers)]
     start = processes.first_missing(marks)
+    if start < stream.num_layers:
+        _forward_from(run, start, marks)
+    return [torch.load(mark, weights_only=False) for mark in marks]
+
+
+def _forward_from(run: Run, start: int, marks: list[Path]) -> None:
+    stream, processes = run.stream, run.processes
     previous = None
     if start == 0:
         hidden = stream.embed(run.sequences)
@@ -260,7 +267,6 @@ def forward_pass(run: Run) -> list:
             save_atomic(hidden, run.hidden_dir / f"hidden-{idx + 1}.pt")
             save_atomic(similarity, marks[idx])
             del layer
-    return [torch.load(mark, weights_only=False) for mark in marks]
 
 
 def _probe_generator_states(stream: Stream, targets: tuple[str, ...], seed: int) -> list[torch.Tensor]:
@@ -604,7 +610,7 @@ def convert_layer_by_layer(options, argv: list[str] | None = None) -> dict:
             fisher_pass(run, fasc_dir)
             fasc_ranks, fasc_results = plan_fasc(run, fasc_dir)
 
-    work = calib_dir / f"convert-{cache_key(asdict(options.lisa), asdict(options.fasc), str(saved_dtype), options.eval_tokens, options.eval_context, str(options.eval_text))}"
+    work = calib_dir / f"convert-{cache_key(asdict(options.lisa), asdict(options.fasc), str(saved_dtype), options.eval_tokens, options.eval_context, tensor_fingerprint(eval_ids))}"
     work.mkdir(parents=True, exist_ok=True)
     windows = _windows(eval_ids, options.eval_context, options.eval_tokens)[processes.index :: processes.count]
     probe_ids = eval_ids[: min(64, len(eval_ids))].unsqueeze(0)

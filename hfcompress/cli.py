@@ -9,6 +9,7 @@ from .errors import HfcompressError
 from .fasc import DEFAULT_TARGETS, METHODS, FascOptions
 from .lisa import LisaOptions
 from .source import BUILTIN_SOURCE
+from .text import check_text_option
 
 app = typer.Typer(
     help="Convert Llama-family models into LisaLlama (LISA attention sharing + FASC low-rank), validate, push.",
@@ -18,6 +19,7 @@ app = typer.Typer(
 )
 
 INTERRUPTED_EXIT = 130
+TEXT_HELP = "FILE (UTF-8), 'builtin' (Python language reference, offline), 'wikitext-2' (Hub, via datasets) or 'auto'"
 
 
 def _run(action) -> None:
@@ -84,8 +86,8 @@ def convert(
     fasc_rho_keep: float = typer.Option(
         None, help="FASC: linears whose rho (activation-gradient dependence) exceeds this stay dense [default: none]."
     ),
-    calib_text: Path = typer.Option(None, help="UTF-8 text for calibration [default: built-in English text]."),
-    eval_text: Path = typer.Option(None, help="UTF-8 text for perplexity [default: held-out part of the calibration text]."),
+    calib_text: str = typer.Option("auto", help=f"Calibration text: {TEXT_HELP}; wikitext-2 reads its train split; auto: wikitext-2 when the Hub answers, else builtin."),
+    eval_text: str = typer.Option("auto", help=f"Perplexity text: {TEXT_HELP}; wikitext-2 reads its test split; auto: wikitext-2 when the Hub answers, else the held-out last 25% of the calibration text."),
     calib_sequences: int = typer.Option(16, help="Number of calibration sequences."),
     seq_len: int = typer.Option(256, help="Calibration sequence length in tokens."),
     eval_tokens: int = typer.Option(4096, help="Tokens of held-out text scored for perplexity."),
@@ -147,6 +149,8 @@ def convert(
         )
         if options.fasc.method not in METHODS:
             raise HfcompressError(f"Unknown --fasc-method '{fasc_method}': choose one of {', '.join(METHODS)}.")
+        check_text_option(calib_text, "calibration")
+        check_text_option(eval_text, "evaluation")
         run_convert(options, argv=sys.argv[1:])
 
     _run(action)
@@ -162,7 +166,7 @@ def analyze(
     rho: bool = typer.Option(False, "--rho", help="Also measure FASC rho per linear (needs backward passes)."),
     share_ratio: float = typer.Option(LisaOptions.share_ratio, help="Show which layers convert would share at this ratio."),
     protect_first: int = typer.Option(2, help="Number of shallow layers never shared."),
-    calib_text: Path = typer.Option(None, help="UTF-8 text for calibration [default: built-in English text]."),
+    calib_text: str = typer.Option("auto", help=f"Calibration text: {TEXT_HELP}; auto: wikitext-2 (train split) when the Hub answers, else builtin."),
     calib_sequences: int = typer.Option(16, help="Number of calibration sequences."),
     seq_len: int = typer.Option(256, help="Calibration sequence length in tokens."),
     revision: str = typer.Option(None, help="Branch, tag or commit of a Hub source."),
@@ -180,6 +184,7 @@ def analyze(
             calib_sequences=calib_sequences, seq_len=seq_len,
             lisa=LisaOptions(share_ratio=share_ratio, protect_first=protect_first),
         )
+        check_text_option(calib_text, "calibration")
         run_analyze(options, plot, json_out, rho)
 
     _run(action)
@@ -189,7 +194,7 @@ def analyze(
 def evaluate(
     model: str = typer.Argument(..., help="A converted model: hfcompress output directory or Hub id."),
     baseline: str = typer.Option(None, help="Original model to measure beside it (any SOURCE form of `convert`)."),
-    eval_text: Path = typer.Option(None, help="UTF-8 text [default: held-out part of the built-in text]."),
+    eval_text: str = typer.Option("auto", help=f"Perplexity text: {TEXT_HELP}; wikitext-2 reads its test split; auto: wikitext-2 when the Hub answers, else the held-out last 25% of builtin."),
     context: int = typer.Option(512, help="Perplexity window in tokens."),
     stride: int = typer.Option(None, help="Window stride in tokens [default: = context]."),
     eval_tokens: int = typer.Option(None, help="Score only the first N tokens [default: all]."),

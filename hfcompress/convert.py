@@ -30,7 +30,7 @@ from .progress import console
 from .push import push_folder, require_token
 from .source import ResolvedSource, load_source, resolve_source
 from .speed import hardware_description, measure_speed
-from .text import BUILTIN_TEXT_NAME, builtin_text, chunk, read_text_file, tokenize, tokenize_split
+from .text import AUTO, chunk, text_streams
 from .validate import compare_reload, perplexity
 
 REPORT_FILE = "hfcompress_report.json"
@@ -47,8 +47,8 @@ class ConvertOptions:
     force: bool = False
     trust_remote_code: bool = False  # accept a source that declares custom code (its code is still never run)
     max_ppl_increase: float = 10.0  # percent
-    calib_text: Path | None = None
-    eval_text: Path | None = None
+    calib_text: str = AUTO  # FILE path, "builtin", "wikitext-2" or "auto" (text.py)
+    eval_text: str = AUTO
     calib_sequences: int = 16
     seq_len: int = 256
     eval_tokens: int = 4096
@@ -174,14 +174,10 @@ def prepare(options: ConvertOptions, token: str | None = None) -> Prepared:
 
 def token_streams(options: ConvertOptions, tokenizer) -> tuple[torch.Tensor, torch.Tensor, str, str]:
     """(calibration sequences (N, T), held-out evaluation ids, calibration text name, evaluation text name)."""
-    calib_raw = read_text_file(options.calib_text) if options.calib_text else builtin_text()
-    calib_name = str(options.calib_text) if options.calib_text else BUILTIN_TEXT_NAME
-    calib_split = tokenize_split(tokenizer, calib_raw, calib_name)
-    if options.eval_text:
-        eval_ids, eval_name = tokenize(tokenizer, read_text_file(options.eval_text)), str(options.eval_text)
-    else:
-        eval_ids, eval_name = calib_split.held_out, f"{calib_name}, held-out last 25%"
-    return chunk(calib_split.calibration, options.seq_len, options.calib_sequences), eval_ids, calib_name, eval_name
+    calib_ids, calib_name, eval_ids, eval_name = text_streams(
+        tokenizer, options.calib_text, options.eval_text, options.calib_sequences * options.seq_len
+    )
+    return chunk(calib_ids, options.seq_len, options.calib_sequences), eval_ids, calib_name, eval_name
 
 
 def convert(options: ConvertOptions, argv: list[str] | None = None) -> dict:

@@ -10,7 +10,7 @@ from .probe import run_probe
 from .progress import console
 from .source import load_source, resolve_source
 from .speed import compare_speed
-from .text import BUILTIN_TEXT_NAME, builtin_text, read_text_file, tokenize, tokenize_split
+from .text import check_text_option, evaluation_ids, load_text
 from .validate import perplexity
 
 
@@ -35,7 +35,7 @@ def load_converted(model: str, trust_remote_code: bool):
 def evaluate(
     model_name: str,
     baseline: str | None,
-    eval_text: Path | None,
+    eval_text: str,
     context: int,
     stride: int | None,
     eval_tokens: int | None,
@@ -44,14 +44,12 @@ def evaluate(
     trust_remote_code: bool,
 ) -> dict:
     models = {}
+    check_text_option(eval_text, "evaluation")  # a bad --eval-text fails before any model loads
     converted, tokenizer = load_converted(model_name, trust_remote_code)
     if baseline:
         models["baseline"], _ = load_source(resolve_source(baseline))
     models["model"] = converted
-    if eval_text:
-        ids, text_name = tokenize(tokenizer, read_text_file(eval_text)), str(eval_text)
-    else:
-        ids, text_name = tokenize_split(tokenizer, builtin_text(), BUILTIN_TEXT_NAME).held_out, f"{BUILTIN_TEXT_NAME}, held-out"
+    ids, text_name = evaluation_ids(tokenizer, load_text(eval_text, "evaluation"))
     result: dict = {"eval_text": text_name, "models": {}}
     for name, model in models.items():
         entry = {"perplexity": perplexity(model, ids, context, stride, eval_tokens, label=f"perplexity: {name}").to_dict()}

@@ -1,18 +1,46 @@
-"""Real English text for calibration and perplexity, with a fixed held-out split.
+"""Real English text for calibration and perplexity.
 
-Offline default: the CPython language reference shipped as `pydoc_data.topics` (~465 kB of English prose).
-`--calib-text FILE` / `--eval-text FILE` replace it. Calibration never sees the held-out part.
+`--calib-text` / `--eval-text` take one of:
+
+* `wikitext-2`: Salesforce/wikitext, config wikitext-2-raw-v1, through `datasets`. Calibration reads the train split,
+  evaluation the test split (the standard protocol), lines joined with blank lines as in the HF perplexity guide.
+* `builtin`: the CPython language reference shipped as `pydoc_data.topics` (~465 kB of English prose, offline).
+  Calibration reads its first 75%, evaluation its held-out last 25%.
+* a FILE: UTF-8 text. As calibration text its first 75% is used; as evaluation text all of it.
+* `auto` (the default): wikitext-2 when the Hub answers, else the built-in text (for evaluation: the held-out last
+  25% of the calibration text). Calibration never sees the text perplexity is measured on.
 """
 
+import importlib.util
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 import torch
 
 from .errors import HfcompressError
+from .progress import console
 
+AUTO, BUILTIN, WIKITEXT = "auto", "builtin", "wikitext-2"
 BUILTIN_TEXT_NAME = "python-language-reference (pydoc_data.topics)"
 HELD_OUT_FRACTION = 0.25
+WIKITEXT_REPO, WIKITEXT_CONFIG = "Salesforce/wikitext", "wikitext-2-raw-v1"
+PROBE_TIMEOUT_S = 3.0  # "auto" asks the Hub once with this timeout, so a machine without network falls back at once
+# wikitext-2 train is ~11 MB; calibration needs only its first tokens, and no tokenizer averages 16 characters a token
+CHARS_PER_TOKEN_BOUND = 16
+
+Role = Literal["calibration", "evaluation"]
+_ROLES = {"calibration": ("--calib-text", "train"), "evaluation": ("--eval-text", "test")}
+
+
+@dataclass(frozen=True)
+class Text:
+    """A named text. `held_out`: calibration reads its first 75% and evaluation its last 25% (no separate test split)."""
+
+    name: str
+    text: str
+    held_out: bool
 
 
 def builtin_text() -> str:
@@ -29,6 +57,91 @@ def read_text_file(path: Path) -> str:
     if len(text.split()) < 200:
         raise HfcompressError(f"Text file {path} is too short: give at least a few thousand words.")
     return text
+
+
+@lru_cache(maxsize=8)
+def _probe_wikitext(endpoint: str) -> tuple[str | None, str | None]:
+    """(commit sha of Salesforce/wikitext, None) or (None, why it is unavailable): one request, bounded in time.
+
+    Cached per endpoint, so calibration and evaluation in one run ask once."""
+    from huggingface_hub import HfApi
+
+    try:
+        info = HfApi(endpoint=endpoint).dataset_info(WIKITEXT_REPO, timeout=PROBE_TIMEOUT_S)
+    except Exception as err:  # DNS, refused, timeout, 401/404: every failure means the same here
+        status = getattr(getattr(err, "response", None), "status_code", None)
+        if status:
+            return None, f"{endpoint} answered HTTP {status} for {WIKITEXT_REPO}"
+        return None, f"the Hub at {endpoint} is unreachable ({type(err).__name__})"
+    return info.sha, None
+
+
+def _wikitext_revision() -> tuple[str | None, str | None]:
+    """(revision to load, None) or (None, why wikitext-2 cannot be loaded from the Hub now)."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return None, "HF_HUB_OFFLINE is set"
+    if importlib.util.find_spec("datasets") is None:
+        return None, "the datasets package is not installed"
+    return _probe_wikitext(constants.ENDPOINT)
+
+
+def _load_wikitext(split: str, revision: str | None) -> Text:
+    import datasets
+
+    try:
+        rows = datasets.load_dataset(WIKITEXT_REPO, WIKITEXT_CONFIG, split=split, revision=revision)
+    except Exception as err:  # datasets raises many kinds (connection, missing cache, bad files): one sentence for all
+        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise HfcompressError(f"Cannot load {WIKITEXT_REPO} ({WIKITEXT_CONFIG}, {split} split): {first_line}") from err
+    at = f" @{revision[:8]}" if revision else ""
+    return Text(f"{WIKITEXT_REPO} {WIKITEXT_CONFIG}, {split} split{at}", "\n\n".join(rows["text"]), held_out=False)
+
+
+def load_text(spec: str, role: Role, fallback: Text | None = None) -> Text:
+    """The text `spec` names for `role`: a FILE path, "builtin", "wikitext-2" or "auto".
+
+    "auto" is wikitext-2 when the Hub answers and the load works, else `fallback` (default: the built-in text),
+    with one console line saying which and why."""
+    option, split = _ROLES[role]
+    if spec == AUTO:
+        revision, reason = _wikitext_revision()
+        if reason is None:
+            try:
+                text = _load_wikitext(split, revision)
+            except HfcompressError as err:
+                reason = str(err)
+            else:
+                console.log(f"{role} text: {text.name} (auto: the Hub is reachable)")
+                return text
+        text = fallback or Text(BUILTIN_TEXT_NAME, builtin_text(), held_out=True)
+        shown = f"{text.name}, held-out last 25%" if role == "evaluation" and text.held_out else text.name
+        console.log(f"{role} text: {shown} (auto: {reason})", highlight=False)
+        return text
+    if spec == BUILTIN:
+        return Text(BUILTIN_TEXT_NAME, builtin_text(), held_out=True)
+    if spec == WIKITEXT:
+        from huggingface_hub import constants
+
+        revision, reason = (None, None) if constants.HF_HUB_OFFLINE else _wikitext_revision()  # offline: the cached copy
+        if reason is not None:
+            raise HfcompressError(
+                f"{option} {WIKITEXT}: {reason}; check the network, set HF_HUB_OFFLINE=1 to use a cached copy, "
+                f"or pass '{BUILTIN}' or a text file."
+            )
+        return _load_wikitext(split, revision)
+    check_text_option(spec, role)
+    return Text(str(spec), read_text_file(Path(spec)), held_out=role == "calibration")
+
+
+def check_text_option(spec: str, role: Role) -> None:
+    """Refuse a `--calib-text`/`--eval-text` that is neither a text name nor an existing file (before any work)."""
+    if spec not in (AUTO, BUILTIN, WIKITEXT) and not Path(spec).exists():
+        raise HfcompressError(
+            f"{_ROLES[role][0]} '{spec}' is neither a file nor a text name: give a UTF-8 text file, '{BUILTIN}', "
+            f"'{WIKITEXT}' or '{AUTO}'."
+        )
 
 
 @dataclass
@@ -48,6 +161,33 @@ def tokenize_split(tokenizer, text: str, name: str) -> TokenSplit:
     ids = tokenize(tokenizer, text)
     cut = int(len(ids) * (1 - HELD_OUT_FRACTION))
     return TokenSplit(name=name, calibration=ids[:cut], held_out=ids[cut:])
+
+
+def evaluation_ids(tokenizer, text: Text) -> tuple[torch.Tensor, str]:
+    """(token ids scored for perplexity, their name for the report)."""
+    if text.held_out:
+        return tokenize_split(tokenizer, text.text, text.name).held_out, f"{text.name}, held-out last 25%"
+    return tokenize(tokenizer, text.text), text.name
+
+
+def text_streams(
+    tokenizer, calib_spec: str, eval_spec: str, calib_tokens: int
+) -> tuple[torch.Tensor, str, torch.Tensor, str]:
+    """(calibration ids (at least `calib_tokens` when the text has them), their name, evaluation ids, their name).
+
+    An "auto" evaluation text that cannot be wikitext-2 is the held-out part of the calibration text."""
+    calibration = load_text(calib_spec, "calibration")
+    evaluation = load_text(eval_spec, "evaluation", fallback=calibration if calibration.held_out else None)
+    if calibration.held_out:
+        split = tokenize_split(tokenizer, calibration.text, calibration.name)
+        calib_ids, calib_name = split.calibration, f"{calibration.name}, first 75%"
+        if evaluation == calibration:  # the common offline case: tokenise the text once
+            return calib_ids, calib_name, split.held_out, f"{calibration.name}, held-out last 25%"
+    else:
+        calib_ids = tokenize(tokenizer, calibration.text[: calib_tokens * CHARS_PER_TOKEN_BOUND])
+        calib_name = calibration.name
+    eval_ids, eval_name = evaluation_ids(tokenizer, evaluation)
+    return calib_ids, calib_name, eval_ids, eval_name
 
 
 def chunk(ids: torch.Tensor, seq_len: int, count: int | None = None) -> torch.Tensor:

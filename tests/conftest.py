@@ -22,6 +22,19 @@ HUB_TOKEN = TEST_TOKEN  # "hf_dummy_test_token"
 HUB_USER = TEST_USER  # "test-user"
 
 
+@pytest.fixture(autouse=True)
+def _offline_unless_local_hub(request, monkeypatch):
+    """Tests that do not talk to the local Hub run with HF_HUB_OFFLINE=1 (in this process and in subprocesses), so
+    the "auto" calibration/evaluation text is the built-in one: deterministic, and never a download. Tests using the
+    local Hub fixtures stay online against it (it has no Salesforce/wikitext unless a test creates it)."""
+    if "local_hub" in request.fixturenames:
+        return
+    import huggingface_hub.constants as hf_constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+
+
 # ----------------------------------------------------------------------------------------------------- local Hub
 @pytest.fixture
 def local_hub(tmp_path_factory, monkeypatch):

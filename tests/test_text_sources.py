@@ -1,0 +1,213 @@
+"""Calibration/evaluation text sources: wikitext-2 through `datasets` from a real local Hub, the "auto" fallback to
+the built-in text when offline or unreachable (fast, with a notice), and one-sentence errors for bad values."""
+
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+import hfcompress.text as text_module
+from hfcompress.cli import app
+from hfcompress.convert import ConvertOptions, prepare
+from hfcompress.text import BUILTIN_TEXT_NAME, WIKITEXT_CONFIG, WIKITEXT_REPO, builtin_text, load_text
+
+runner = CliRunner()
+FAST = [
+    "--calib-sequences", "4", "--seq-len", "64", "--eval-tokens", "512", "--lisa-steps", "5", "--protect-first", "1",
+    "--no-probe", "--no-speed", "--max-ppl-increase", "1000",
+]
+# The layout of the real Salesforce/wikitext repo: per-config parquet files named by the configs in README.md.
+WIKITEXT_README = f"""---
+configs:
+- config_name: {WIKITEXT_CONFIG}
+  data_files:
+  - split: test
+    path: {WIKITEXT_CONFIG}/test-*
+  - split: train
+    path: {WIKITEXT_CONFIG}/train-*
+---
+# wikitext (test copy)
+"""
+
+
+def _parquet(rows: list[str]) -> bytes:
+    buffer = io.BytesIO()
+    pq.write_table(pa.table({"text": rows}), buffer)
+    return buffer.getvalue()
+
+
+@pytest.fixture
+def wikitext_hub(local_hub):
+    """The local Hub with a small Salesforce/wikitext: train and test splits of real English lines (wikitext-style
+    rows: one line each, trailing newline). Yields (hub, commit sha, train rows, test rows)."""
+    lines = [line + "\n" for line in builtin_text().splitlines()]
+    cut = len(lines) * 3 // 4
+    train, test = lines[:cut], lines[cut:]
+    sha = local_hub.upload_files(
+        WIKITEXT_REPO,
+        {
+            "README.md": WIKITEXT_README.encode(),
+            f"{WIKITEXT_CONFIG}/train-00000-of-00001.parquet": _parquet(train),
+            f"{WIKITEXT_CONFIG}/test-00000-of-00001.parquet": _parquet(test),
+        },
+        repo_type="dataset",
+    )
+    yield local_hub, sha, train, test
+
+
+@pytest.fixture(autouse=True)
+def _fresh_probe():
+    text_module._probe_wikitext.cache_clear()  # each test's endpoint is asked afresh
+    yield
+    text_module._probe_wikitext.cache_clear()
+
+
+@pytest.fixture
+def log(monkeypatch) -> io.StringIO:
+    """What text.py logs, unwrapped (a wide console)."""
+    buffer = io.StringIO()
+    monkeypatch.setattr(text_module, "console", Console(file=buffer, width=400))
+    return buffer
+
+
+def cli(args: list[str], env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "hfcompress.cli", *args], env={**env, "COLUMNS": "300"}, capture_output=True, text=True
+    )
+
+
+LOAD_BOTH = """
+import json
+from hfcompress.text import load_text
+print(json.dumps({role: [t.name, t.text, t.held_out] for role in ("calibration", "evaluation") for t in [load_text(
+    "wikitext-2", role)]}))
+"""
+
+
+def test_wikitext2_loads_through_datasets(wikitext_hub, hub_env):
+    hub, sha, train, test = wikitext_hub
+    proc = subprocess.run([sys.executable, "-c", LOAD_BOTH], env=hub_env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    # calibration reads train, evaluation test: the standard protocol, lines joined as in the HF perplexity guide
+    assert loaded["calibration"] == [f"{WIKITEXT_REPO} {WIKITEXT_CONFIG}, train split @{sha[:8]}", "\n\n".join(train), False]
+    assert loaded["evaluation"] == [f"{WIKITEXT_REPO} {WIKITEXT_CONFIG}, test split @{sha[:8]}", "\n\n".join(test), False]
+    assert hub.requests_matching(contains=f"/datasets/{WIKITEXT_REPO}/resolve/{sha}/{WIKITEXT_CONFIG}/test-")
+
+
+def test_convert_and_eval_use_wikitext2_when_the_hub_answers(wikitext_hub, hub_env, tiny_llama_dir, tmp_path):
+    hub, sha, _, _ = wikitext_hub
+    env = {**hub_env, "HFCOMPRESS_CACHE": str(tmp_path / "cache")}
+    out = tmp_path / "out"
+    proc = cli(["convert", str(tiny_llama_dir), "--out", str(out), *FAST], env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    train_name = f"{WIKITEXT_REPO} {WIKITEXT_CONFIG}, train split @{sha[:8]}"
+    test_name = f"{WIKITEXT_REPO} {WIKITEXT_CONFIG}, test split @{sha[:8]}"
+    assert f"calibration text: {train_name} (auto: the Hub is reachable)" in proc.stderr
+    assert f"evaluation text: {test_name} (auto: the Hub is reachable)" in proc.stderr
+    report = json.loads((out / "hfcompress_report.json").read_text())
+    assert report["calibration"]["text"] == train_name
+    assert report["validation"]["eval_text"] == test_name
+    assert test_name in (out / "README.md").read_text()
+
+    builtin = prepare(ConvertOptions(
+        source=str(tiny_llama_dir), out=tmp_path / "unused", calib_text="builtin", eval_text="builtin", calib_sequences=4,
+        seq_len=64, cache_dir=tmp_path / "cache",
+    ))
+    assert (builtin.calib_name, builtin.eval_name) == (f"{BUILTIN_TEXT_NAME}, first 75%", f"{BUILTIN_TEXT_NAME}, held-out last 25%")
+    assert str(builtin.cache) != report["calibration"]["cache_dir"]  # same model and settings, other text: other cache
+
+    proc = cli(["eval", str(out), "--eval-tokens", "512", "--no-speed", "--no-probe", "--json", str(tmp_path / "e.json")], env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    measured = json.loads((tmp_path / "e.json").read_text())
+    assert measured["eval_text"] == test_name
+    assert measured["models"]["model"]["perplexity"]["perplexity"] == pytest.approx(
+        report["validation"]["converted"]["perplexity"], rel=1e-4
+    )  # same test-split tokens as convert scored
+
+
+def test_auto_is_the_builtin_text_when_offline(log):
+    started = time.perf_counter()
+    text = load_text("auto", "calibration")  # the autouse fixture of conftest.py set HF_HUB_OFFLINE
+    assert time.perf_counter() - started < 2.0
+    assert (text.name, text.held_out) == (BUILTIN_TEXT_NAME, True)
+    assert log.getvalue().count("\n") == 1
+    assert f"calibration text: {BUILTIN_TEXT_NAME} (auto: HF_HUB_OFFLINE is set)" in log.getvalue()
+
+
+def _online(monkeypatch, endpoint: str) -> None:
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(c, "ENDPOINT", endpoint)
+
+
+def test_auto_falls_back_fast_when_the_hub_is_unreachable(monkeypatch, log):
+    _online(monkeypatch, "http://127.0.0.1:9")  # nothing listens on the discard port: connection refused
+    started = time.perf_counter()
+    calibration = load_text("auto", "calibration")
+    evaluation = load_text("auto", "evaluation", fallback=calibration)
+    assert time.perf_counter() - started < 3.0
+    assert evaluation is calibration and calibration.name == BUILTIN_TEXT_NAME  # evaluation: its held-out part
+    lines = log.getvalue().splitlines()
+    assert len(lines) == 2 and all("the Hub at http://127.0.0.1:9 is unreachable (ConnectError)" in line for line in lines)
+    assert f"evaluation text: {BUILTIN_TEXT_NAME}, held-out last 25% (auto:" in lines[1]
+
+
+def test_auto_is_bounded_when_the_hub_never_answers(monkeypatch, log):
+    """A server that accepts connections and never replies (a dead proxy): the probe's timeout ends the wait."""
+    monkeypatch.setattr(text_module, "PROBE_TIMEOUT_S", 0.5)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # the kernel completes the handshake; nobody ever reads or answers
+        _online(monkeypatch, f"http://127.0.0.1:{silent.getsockname()[1]}")
+        started = time.perf_counter()
+        text = load_text("auto", "evaluation")
+        elapsed = time.perf_counter() - started
+    assert text.name == BUILTIN_TEXT_NAME and 0.4 < elapsed < 2.5
+    assert "is unreachable (ReadTimeout)" in log.getvalue()
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["convert", "{model}", "--out", "{out}", "--calib-text", "wikitext2"], "--calib-text 'wikitext2' is neither a file nor a text name"),
+        (["convert", "{model}", "--out", "{out}", "--eval-text", "{missing}"], "--eval-text '{missing}' is neither a file nor a text name"),
+        (["analyze", "{model}", "--calib-text", "{missing}"], "--calib-text '{missing}' is neither a file nor a text name"),
+        (["eval", "{model}", "--eval-text", "wiki"], "--eval-text 'wiki' is neither a file nor a text name"),
+    ],
+)
+def test_bad_text_option_is_one_sentence_and_exit_2(args, needle, tiny_llama_dir, tmp_path):
+    values = {"model": str(tiny_llama_dir), "missing": str(tmp_path / "missing.txt"), "out": str(tmp_path / "out")}
+    result = runner.invoke(app, [a.format(**values) for a in args])
+    assert result.exit_code == 2, result.output
+    message = " ".join(result.output.split())
+    assert message.startswith("error:") and needle.format(**values) in message
+    assert message.endswith("'builtin', 'wikitext-2' or 'auto'.")
+    assert not (tmp_path / "out").exists()
+
+
+def test_explicit_wikitext2_unreachable_is_one_sentence(monkeypatch, tiny_llama_dir, tmp_path):
+    _online(monkeypatch, "http://127.0.0.1:9")
+    result = runner.invoke(app, ["analyze", str(tiny_llama_dir), "--calib-text", "wikitext-2", "--plot", str(tmp_path / "p.png")])
+    assert result.exit_code == 2, result.output
+    message = " ".join(result.output.split("error:")[-1].split())
+    assert message.startswith("--calib-text wikitext-2: the Hub at http://127.0.0.1:9 is unreachable")
+    assert "HF_HUB_OFFLINE=1" in message and "'builtin'" in message
+
+
+def test_explicit_wikitext2_offline_without_a_cached_copy(tiny_llama_dir, tmp_path):
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"}
+    proc = cli(["analyze", str(tiny_llama_dir), "--calib-text", "wikitext-2", "--plot", str(tmp_path / "p.png")], env)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: Cannot load {WIKITEXT_REPO} ({WIKITEXT_CONFIG}, train split):"), proc.stderr[-2000:]

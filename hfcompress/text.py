@@ -116,8 +116,7 @@ def load_text(spec: str, role: Role, fallback: Text | None = None) -> Text:
                 console.log(f"{role} text: {text.name} (auto: the Hub is reachable)")
                 return text
         text = fallback or Text(BUILTIN_TEXT_NAME, builtin_text(), held_out=True)
-        shown = f"{text.name}, held-out last 25%" if role == "evaluation" and text.held_out else text.name
-        console.log(f"{role} text: {shown} (auto: {reason})", highlight=False)
+        console.log(f"{role} text: {part_name(text, role)} (auto: {reason})", highlight=False)
         return text
     if spec == BUILTIN:
         return Text(BUILTIN_TEXT_NAME, builtin_text(), held_out=True)
@@ -163,11 +162,17 @@ def tokenize_split(tokenizer, text: str, name: str) -> TokenSplit:
     return TokenSplit(name=name, calibration=ids[:cut], held_out=ids[cut:])
 
 
+def part_name(text: Text, role: Role) -> str:
+    """The report's name for the part of `text` that `role` reads."""
+    if not text.held_out:
+        return text.name
+    return f"{text.name}, first 75%" if role == "calibration" else f"{text.name}, held-out last 25%"
+
+
 def evaluation_ids(tokenizer, text: Text) -> tuple[torch.Tensor, str]:
     """(token ids scored for perplexity, their name for the report)."""
-    if text.held_out:
-        return tokenize_split(tokenizer, text.text, text.name).held_out, f"{text.name}, held-out last 25%"
-    return tokenize(tokenizer, text.text), text.name
+    ids = tokenize_split(tokenizer, text.text, text.name).held_out if text.held_out else tokenize(tokenizer, text.text)
+    return ids, part_name(text, "evaluation")
 
 
 def text_streams(
@@ -180,14 +185,13 @@ def text_streams(
     evaluation = load_text(eval_spec, "evaluation", fallback=calibration if calibration.held_out else None)
     if calibration.held_out:
         split = tokenize_split(tokenizer, calibration.text, calibration.name)
-        calib_ids, calib_name = split.calibration, f"{calibration.name}, first 75%"
+        calib_ids = split.calibration
         if evaluation == calibration:  # the common offline case: tokenise the text once
-            return calib_ids, calib_name, split.held_out, f"{calibration.name}, held-out last 25%"
+            return calib_ids, part_name(calibration, "calibration"), split.held_out, part_name(evaluation, "evaluation")
     else:
         calib_ids = tokenize(tokenizer, calibration.text[: calib_tokens * CHARS_PER_TOKEN_BOUND])
-        calib_name = calibration.name
     eval_ids, eval_name = evaluation_ids(tokenizer, evaluation)
-    return calib_ids, calib_name, eval_ids, eval_name
+    return calib_ids, part_name(calibration, "calibration"), eval_ids, eval_name
 
 
 def chunk(ids: torch.Tensor, seq_len: int, count: int | None = None) -> torch.Tensor:

@@ -141,7 +141,7 @@ def test_auto_is_the_builtin_text_when_offline(log):
     assert time.perf_counter() - started < 2.0
     assert (text.name, text.held_out) == (BUILTIN_TEXT_NAME, True)
     assert log.getvalue().count("\n") == 1
-    assert f"calibration text: {BUILTIN_TEXT_NAME} (auto: HF_HUB_OFFLINE is set)" in log.getvalue()
+    assert f"calibration text: {BUILTIN_TEXT_NAME}, first 75% (auto: HF_HUB_OFFLINE is set)" in log.getvalue()
 
 
 def _online(monkeypatch, endpoint: str) -> None:

@@ -65,7 +65,7 @@ class Processes:
     def __init__(self) -> None:
         from accelerate import PartialState
 
-        self.state = PartialState(cpu=not torch.cuda.is_available())
+        self.state = PartialState(cpu=True)  # gloo: every tensor here lives on the CPU
         self.count, self.index, self.is_main = self.state.num_processes, self.state.process_index, self.state.is_main_process
 
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -589,7 +589,7 @@ def convert_layer_by_layer(options, argv: list[str] | None = None) -> dict:
         source = _source(options, token)
         tokenizer = load_tokenizer(source)
         source_config = LlamaConfig.from_pretrained(source.path)  # never the source's own config class
-        sequences, eval_ids, calib_name, eval_name = pipeline.token_streams(options, tokenizer)
+        sequences, eval_ids, calib_name, eval_name, _ = pipeline.token_streams(options, tokenizer)
         if int(max(sequences.max(), eval_ids.max())) >= source_config.vocab_size:
             raise HfcompressError(f"The tokenizer of {source.name} makes ids beyond the model's vocabulary ({source_config.vocab_size}).")
         if len(sequences) % processes.count:

@@ -116,7 +116,7 @@ def test_interrupted_run_resumes_at_the_next_layer(tiny, layer_by_layer, tmp_pat
 def test_two_gloo_processes_equal_one(tiny, layer_by_layer, tmp_path):
     reference_out, reference, _ = layer_by_layer
     command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1", "--cpu",
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
         "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "hfcompress.cli",
         "convert", str(tiny), "--out", str(tmp_path / "out"), "--layer-by-layer", *CLI_SETTINGS,
     ]

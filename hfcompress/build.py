@@ -31,7 +31,7 @@ def converted_config(original_config, lisa_spec: dict[str, dict], fasc_ranks: di
 
 
 def lisa_spec(lisa_layers: list[FittedLayer]) -> dict[str, dict]:
-    return {str(f.layer): {"rank": f.rank, "align_hidden": f.align_hidden} for f in lisa_layers}
+    return {str(f.layer): {"rank": f.rank, "align": f.align, "align_hidden": f.align_hidden} for f in lisa_layers}
 
 
 def converted_state(

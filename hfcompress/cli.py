@@ -70,6 +70,9 @@ def convert(
     max_ppl_increase: float = typer.Option(10.0, help="Quality gate: largest allowed perplexity increase, in percent."),
     share_ratio: float = typer.Option(LisaOptions.share_ratio, help="Fraction of layers to share (LISA), best-aligned first."),
     lisa_layers: str = typer.Option(None, help="Explicit comma-separated layers to share; overrides --share-ratio."),
+    lisa_ppl_budget: float = typer.Option(
+        None, help="Share as many layers as keep perplexity within +PCT (searched, ~log2(layers) fits); overrides --share-ratio."
+    ),
     protect_first: int = typer.Option(LisaOptions.protect_first, help="Number of shallow layers never shared."),
     qk_compression: float = typer.Option(LisaOptions.qk_compression, help="Shared layers' Q/K parameters are at least this many times smaller."),
     lisa_align: str = typer.Option(
@@ -132,6 +135,7 @@ def convert(
             lisa=LisaOptions(
                 share_ratio=share_ratio,
                 layers=_layers(lisa_layers),
+                max_ppl_increase=lisa_ppl_budget,
                 protect_first=protect_first,
                 qk_compression=qk_compression,
                 align=lisa_align,

@@ -10,6 +10,7 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -22,7 +23,15 @@ from .card import write_card
 from .errors import GATE_FAILED_EXIT, HfcompressError
 from .fasc import FascOptions, compress_linears
 from .heal import heal_with_lora, tune_lisa_end_to_end
-from .lisa import LisaOptions, fit_lisa, measure_similarity, select_layers
+from .lisa import (
+    FittedLayer,
+    LisaOptions,
+    fit_lisa,
+    measure_similarity,
+    ranked_candidates,
+    search_layers_by_perplexity,
+    select_layers,
+)
 from .plots import fasc_ranks_and_rho, perplexity_bars, similarity_heatmap, speed_bars
 from .probe import run_probe
 from .memory import peak_memory
@@ -34,6 +43,7 @@ from .text import AUTO, chunk, text_streams
 from .validate import compare_reload, perplexity
 
 REPORT_FILE = "hfcompress_report.json"
+SELECTION_TOKENS = 2048  # calibration-text tokens scored by the LISA perplexity-budget search
 
 
 @dataclass
@@ -144,6 +154,7 @@ class Prepared:
     tokenizer: object
     sequences: torch.Tensor  # (N, T) calibration sequences
     eval_ids: torch.Tensor  # held-out tokens for perplexity
+    selection_ids: torch.Tensor  # calibration text after the sequences: scores the LISA perplexity-budget search
     calib_name: str
     eval_name: str
     cache: Path  # calibration cache of this (model, text, settings)
@@ -167,17 +178,45 @@ def prepare(options: ConvertOptions, token: str | None = None) -> Prepared:
     """Resolve and load SOURCE, tokenise calibration and evaluation text."""
     source = resolve_source(options.source, options.revision, token, options.trust_remote_code)
     model, tokenizer = load_source(source)
-    sequences, eval_ids, calib_name, eval_name = token_streams(options, tokenizer)
+    sequences, eval_ids, calib_name, eval_name, selection_ids = token_streams(options, tokenizer)
     cache = options.cache_dir / cache_key(_source_identity(source), tensor_fingerprint(sequences))
-    return Prepared(source, model, tokenizer, sequences, eval_ids, calib_name, eval_name, cache)
+    return Prepared(source, model, tokenizer, sequences, eval_ids, selection_ids, calib_name, eval_name, cache)
 
 
-def token_streams(options: ConvertOptions, tokenizer) -> tuple[torch.Tensor, torch.Tensor, str, str]:
-    """(calibration sequences (N, T), held-out evaluation ids, calibration text name, evaluation text name)."""
+def token_streams(options: ConvertOptions, tokenizer) -> tuple[torch.Tensor, torch.Tensor, str, str, torch.Tensor]:
+    """(calibration sequences (N, T), held-out evaluation ids, calibration text name, evaluation text name,
+    up to SELECTION_TOKENS calibration-text ids after the sequences)."""
+    calib_tokens = options.calib_sequences * options.seq_len
     calib_ids, calib_name, eval_ids, eval_name = text_streams(
-        tokenizer, options.calib_text, options.eval_text, options.calib_sequences * options.seq_len
+        tokenizer, options.calib_text, options.eval_text, calib_tokens + SELECTION_TOKENS
     )
-    return chunk(calib_ids, options.seq_len, options.calib_sequences), eval_ids, calib_name, eval_name
+    sequences = chunk(calib_ids, options.seq_len, options.calib_sequences)
+    selection_ids = calib_ids[sequences.numel() : sequences.numel() + SELECTION_TOKENS]
+    return sequences, eval_ids, calib_name, eval_name, selection_ids
+
+
+def choose_layers_by_perplexity(
+    prepared: Prepared, fit: Callable[[list[int]], list[FittedLayer]], similarity: list, options: ConvertOptions
+) -> tuple[list[int], dict]:
+    """LISA layers under --lisa-ppl-budget: the most layers (best aligned first) whose converted model stays within
+    the budget on calibration text the fits never saw (not the held-out evaluation text, which stays unseen)."""
+    ids = prepared.selection_ids
+    if len(ids) < options.eval_context:
+        raise HfcompressError(
+            f"--lisa-ppl-budget needs {options.eval_context} calibration tokens beyond the calibration sequences, "
+            f"the text has {len(ids)}: give a longer --calib-text or fewer --calib-sequences."
+        )
+    model = prepared.model
+    base = perplexity(model, ids, options.eval_context, label="lisa search: original").perplexity
+    limit = base * (1 + options.lisa.max_ppl_increase / 100)
+
+    def perplexity_of(layers: list[int]) -> float:
+        converted = build_converted_model(model, fit(layers), {})
+        return perplexity(converted, ids, options.eval_context, label=f"lisa search: {len(layers)} layers").perplexity
+
+    chosen, probes = search_layers_by_perplexity(ranked_candidates(similarity, options.lisa), perplexity_of, limit)
+    console.log(f"lisa search: {len(chosen)} layers within +{options.lisa.max_ppl_increase:g}% ({len(probes)} fits)")
+    return chosen, {"tokens": len(ids), "original_perplexity": base, "limit": limit, "probes": probes}
 
 
 def convert(options: ConvertOptions, argv: list[str] | None = None) -> dict:
@@ -207,12 +246,20 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> dict:
         fasc_stats = prepared.linear_stats(options.fasc.targets, options.seed) if options.fasc.budget < 1.0 else None
 
     with _step("lisa", timings):
-        chosen = select_layers(similarity, num_layers, options.lisa)
-        lisa_key = cache_key(chosen, asdict(options.lisa))
-        fitted = load_or_compute(
-            cache / f"lisa-{lisa_key}.pt", lambda: fit_lisa(model, attn_inputs, chosen, similarity, options.lisa)
-        )
-        del attn_inputs
+
+        def fit(layers: list[int]) -> list[FittedLayer]:
+            return load_or_compute(
+                cache / f"lisa-{cache_key(layers, asdict(options.lisa))}.pt",
+                lambda: fit_lisa(model, attn_inputs, layers, similarity, options.lisa),
+            )
+
+        search = None
+        if options.lisa.max_ppl_increase is not None and options.lisa.layers is None:
+            chosen, search = choose_layers_by_perplexity(prepared, fit, similarity, options)
+        else:
+            chosen = select_layers(similarity, num_layers, options.lisa)
+        fitted = fit(chosen)
+        attn_inputs.clear()  # frees the per-layer activations; nothing fits after this
 
     with _step("fasc", timings):
         fasc_factors, fasc_results = {}, []
@@ -283,6 +330,7 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> dict:
         },
         "lisa": {
             "layers": chosen,
+            "perplexity_search": search,
             "rank": fitted[0].rank if fitted else None,
             "options": asdict(options.lisa),
             "similarity": [s.to_dict() for s in similarity],

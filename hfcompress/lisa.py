@@ -12,6 +12,7 @@ For layer l and the previous layer l-1, on calibration sequences:
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -31,6 +32,7 @@ class LisaOptions:
     align: str = "dense"  # dense (head mix + FFN) | sparse (one scaled head, SDPA fast path) | identity (no alignment)
     align_hidden: int = 16  # dense Align: FFN width across heads; 0 = linear head mix only
     lowrank: bool = True  # low-rank Q/K correction (False: aligned previous scores only, an ablation)
+    max_ppl_increase: float | None = None  # percent: choose the layer count by a perplexity search instead
     steps: int = 100
     batch_size: int = 4
     lr: float = 1e-2
@@ -175,13 +177,41 @@ def select_layers(similarity: list[LayerSimilarity], num_layers: int, options: L
     if not 0.0 <= options.share_ratio < 1.0:
         raise HfcompressError(f"--share-ratio must be in [0, 1), got {options.share_ratio}.")
     count = round(options.share_ratio * num_layers)
-    candidates = [s for s in similarity if s.layer >= max(1, options.protect_first)]
+    candidates = ranked_candidates(similarity, options)
     if count > len(candidates):
         raise HfcompressError(
             f"--share-ratio {options.share_ratio} asks for {count} shared layers but only {len(candidates)} "
             f"are outside the {options.protect_first} protected shallow layers."
         )
-    return sorted(s.layer for s in sorted(candidates, key=lambda s: s.aligned_output_error)[:count])
+    return sorted(candidates[:count])
+
+
+def ranked_candidates(similarity: list[LayerSimilarity], options: LisaOptions) -> list[int]:
+    """Layers outside the protected shallow ones, best reproduced by the aligned previous layer first."""
+    candidates = [s for s in similarity if s.layer >= max(1, options.protect_first)]
+    return [s.layer for s in sorted(candidates, key=lambda s: s.aligned_output_error)]
+
+
+def search_layers_by_perplexity(
+    ranked: list[int], perplexity_of: Callable[[list[int]], float], limit: float
+) -> tuple[list[int], list[dict]]:
+    """The most layers, taken in `ranked` order, whose converted model keeps perplexity_of(layers) <= limit.
+
+    Binary search over the count (about log2(len(ranked)) fits), assuming that sharing more layers never lowers
+    the perplexity; returns the choice and every probe made, for the report.
+    """
+    probes: list[dict] = []
+    low, high = 0, len(ranked)  # invariant: `low` layers fit the budget (0 always does)
+    while low < high:
+        count = (low + high + 1) // 2
+        layers = sorted(ranked[:count])
+        value = perplexity_of(layers)
+        probes.append({"count": count, "layers": layers, "perplexity": value, "within_budget": value <= limit})
+        if value <= limit:
+            low = count
+        else:
+            high = count - 1
+    return sorted(ranked[:low]), probes
 
 
 def lowrank_rank(config, qk_compression: float) -> int:

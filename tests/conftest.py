@@ -27,7 +27,7 @@ def _offline_unless_local_hub(request, monkeypatch):
     """Tests that do not talk to the local Hub run with HF_HUB_OFFLINE=1 (in this process and in subprocesses), so
     the "auto" calibration/evaluation text is the built-in one: deterministic, and never a download. Tests using the
     local Hub fixtures stay online against it (it has no Salesforce/wikitext unless a test creates it)."""
-    if "local_hub" in request.fixturenames:
+    if "local_hub" in request.fixturenames or request.node.get_closest_marker("own_local_hub"):
         return
     import huggingface_hub.constants as hf_constants
 

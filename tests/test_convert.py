@@ -277,3 +277,20 @@ def test_alignment_variants_convert_and_reload(tiny_llama_dir, tmp_path, flags):
         assert all(f["rank"] == 0 and f["loss_final"] == f["loss_initial"] for f in report["lisa"]["fitted"])
     else:
         assert all(f["loss_final"] < f["loss_initial"] for f in report["lisa"]["fitted"])
+
+
+def test_lisa_perplexity_budget_search(tiny_llama_dir, tmp_path):
+    """A generous budget shares every unprotected layer after about log2(L) searched fits; the search is recorded."""
+    out = tmp_path / "out"
+    result = runner.invoke(
+        app, ["convert", str(tiny_llama_dir), "--out", str(out), "--max-ppl-increase", "1000", "--no-speed", "--no-probe",
+              "--fasc-budget", "1.0", "--lisa-ppl-budget", "1000", *FAST[:-2]],
+        env={"HFCOMPRESS_CACHE": str(tmp_path / "cache")},
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "hfcompress_report.json").read_text())
+    search = report["lisa"]["perplexity_search"]
+    candidates = list(range(1, report["num_layers"]))  # --protect-first 1
+    assert report["lisa"]["layers"] == candidates
+    assert 1 <= len(search["probes"]) <= len(candidates).bit_length()
+    assert all(p["perplexity"] <= search["limit"] for p in search["probes"])

@@ -249,6 +249,7 @@ def test_fault_injection_retry_and_resume(local_hub, hub_api, tiny_llama_dir, tm
     assert len(gets) == 2 and gets[1].status in (200, 206)
 
 
+@pytest.mark.own_local_hub
 def test_lfs_cdn_redirect_mode(tmp_path, monkeypatch, tiny_llama_dir):
     import huggingface_hub.constants as c
 
@@ -374,6 +375,7 @@ def _transformers_worker(request, tmp_path_factory):
         hub.stop()
 
 
+@pytest.mark.own_local_hub
 def test_transformers_from_pretrained_in_subprocess(_transformers_worker, monkeypatch):
     import huggingface_hub.constants as hf_constants
 

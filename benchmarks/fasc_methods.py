@@ -30,7 +30,9 @@ def main() -> None:
     parser.add_argument("--heal-steps", type=int, default=0, help="LoRA healing steps after each factorisation")
     args = parser.parse_args()
 
-    prepared = prepare(ConvertOptions(source=args.source, out=Path("."), calib_sequences=args.calib_sequences))
+    prepared = prepare(
+        ConvertOptions(source=args.source, out=Path("."), calib_sequences=args.calib_sequences, calib_text="builtin", eval_text="builtin")
+    )
     model, tokenizer = prepared.model, prepared.tokenizer
     start = time.perf_counter()
     stats = prepared.linear_stats(tuple(args.targets), seed=0)

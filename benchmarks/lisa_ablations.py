@@ -42,7 +42,7 @@ def main() -> None:
     parser.add_argument("--no-speed", action="store_true")
     args = parser.parse_args()
 
-    prepared = prepare(ConvertOptions(source=args.source, out=Path(".")))
+    prepared = prepare(ConvertOptions(source=args.source, out=Path("."), calib_text="builtin", eval_text="builtin"))
     model = prepared.model
     attn_inputs = prepared.attention_inputs()
     similarity = prepared.similarity(attn_inputs)

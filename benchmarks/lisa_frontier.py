@@ -30,7 +30,9 @@ def main() -> None:
     parser.add_argument("--eval-tokens", type=int, default=4096)
     args = parser.parse_args()
 
-    options = ConvertOptions(source=args.source, out=Path("."), calib_sequences=args.calib_sequences)
+    options = ConvertOptions(
+        source=args.source, out=Path("."), calib_sequences=args.calib_sequences, calib_text="builtin", eval_text="builtin"
+    )
     prepared = prepare(options)
     model = prepared.model
     attn_inputs = prepared.attention_inputs()

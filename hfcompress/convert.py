@@ -250,7 +250,7 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> dict:
         def fit(layers: list[int]) -> list[FittedLayer]:
             return load_or_compute(
                 cache / f"lisa-{cache_key(layers, asdict(options.lisa))}.pt",
-                lambda: fit_lisa(model, attn_inputs, layers, similarity, options.lisa),
+                lambda: fit_lisa(model, attn_inputs, layers, similarity, options.lisa, cache_dir=cache),
             )
 
         search = None

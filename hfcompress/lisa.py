@@ -14,10 +14,12 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from .calibrate import cache_key, load_or_compute
 from .errors import HfcompressError
 from .progress import progress_bar
 from .remote import import_remote
@@ -225,6 +227,7 @@ def lowrank_rank(config, qk_compression: float) -> int:
 
 
 ALIGN_KINDS = ("dense", "sparse", "identity")
+SELECTION_ONLY = ("share_ratio", "layers", "protect_first", "max_ppl_increase")  # LisaOptions that do not change a fit
 
 
 @dataclass
@@ -330,6 +333,14 @@ def fit_shared_layer(
     return module, record
 
 
+def shared_attention(config, record: FittedLayer) -> nn.Module:
+    """The LisaSharedAttention module of a fit record (weights from `record.state`), in eval mode."""
+    modeling = import_remote("modeling_lisa_llama")
+    module = modeling.LisaSharedAttention(config, record.layer, record.rank, record.align_hidden, record.align)
+    module.load_state_dict(record.state)
+    return module.requires_grad_(False).eval()
+
+
 @torch.no_grad()
 def converted_scores(module: nn.Module, x: torch.Tensor, prev_scores: torch.Tensor | None, cos_sin, batch_size: int):
     """Pre-softmax scores of a (converted) layer for all calibration sequences."""
@@ -349,8 +360,12 @@ def fit_lisa(
     chosen: list[int],
     similarity: list[LayerSimilarity],
     options: LisaOptions,
+    cache_dir: Path | None = None,
 ) -> list[FittedLayer]:
-    """Fit every chosen layer in depth order, anchoring each on the converted layers below it."""
+    """Fit every chosen layer in depth order, anchoring each on the converted layers below it.
+
+    With `cache_dir`, each finished layer is saved as it completes: an interrupted fit resumes at the next layer,
+    and a search that tries several layer sets reuses every fit whose chain below it is the same."""
     if not chosen:
         return []
     if options.align not in ALIGN_KINDS:
@@ -364,9 +379,17 @@ def fit_lisa(
     prev_scores = None
     for idx in progress_bar(range(chosen[-1] + 1), "lisa: fit shared layers"):
         if idx in chosen:
-            module, record = fit_shared_layer(
-                model, idx, attn_inputs[idx], prev_scores, matching[idx], rank, options
-            )
+
+            def fit_one(idx: int = idx, prev_scores: torch.Tensor | None = prev_scores) -> FittedLayer:
+                return fit_shared_layer(model, idx, attn_inputs[idx], prev_scores, matching[idx], rank, options)[1]
+
+            if cache_dir is None:
+                record = fit_one()
+            else:  # a layer's fit depends only on the shared layers up to it (its anchors) and the options
+                below = [layer for layer in chosen if layer <= idx]
+                settings = {k: v for k, v in asdict(options).items() if k not in SELECTION_ONLY}
+                record = load_or_compute(cache_dir / f"lisa-layer-{cache_key(below, settings)}.pt", fit_one)
+            module = shared_attention(model.config, record)
             converted[idx] = module
             fitted.append(record)
         if idx + 1 in chosen:  # the next layer anchors on this one's (converted) scores

@@ -58,10 +58,10 @@ def convert(
     source: str = typer.Argument(
         BUILTIN_SOURCE, help=f"Hub id (user/model), local model directory, .gguf file, or '{BUILTIN_SOURCE}' (built in)."
     ),
-    out: Path = typer.Option(None, "--out", "-o", help="Output directory [default: ./<source name>-lisa]."),
+    out: Path = typer.Option(None, "--out", "-o", help="Output directory (default: ./<source name>-lisa)."),
     push_to: str = typer.Option(None, "--push-to", help="Hub repo to create/update with the converted model."),
     private: bool = typer.Option(False, "--private", help="Create the pushed repo as private."),
-    revision: str = typer.Option(None, "--revision", help="Branch, tag or commit of a Hub source [default: main]."),
+    revision: str = typer.Option(None, "--revision", help="Branch, tag or commit of a Hub source (default: main)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
     force: bool = typer.Option(False, "--force", help="Push even when the perplexity gate failed."),
     trust_remote_code: bool = typer.Option(
@@ -87,7 +87,7 @@ def convert(
     heal_steps: int = typer.Option(0, help="FASC healing: LoRA (peft) distillation steps, merged before saving."),
     fasc_targets: str = typer.Option(",".join(DEFAULT_TARGETS), help="FASC: linear layers to factorise."),
     fasc_rho_keep: float = typer.Option(
-        None, help="FASC: linears whose rho (activation-gradient dependence) exceeds this stay dense [default: none]."
+        None, help="FASC: linears whose rho (activation-gradient dependence) exceeds this stay dense (default: none)."
     ),
     calib_text: str = typer.Option("auto", help=f"Calibration text: {TEXT_HELP}; wikitext-2 reads its train split; auto: wikitext-2 when the Hub answers, else builtin."),
     eval_text: str = typer.Option("auto", help=f"Perplexity text: {TEXT_HELP}; wikitext-2 reads its test split; auto: wikitext-2 when the Hub answers, else the held-out last 25% of the calibration text."),
@@ -200,8 +200,8 @@ def evaluate(
     baseline: str = typer.Option(None, help="Original model to measure beside it (any SOURCE form of `convert`)."),
     eval_text: str = typer.Option("auto", help=f"Perplexity text: {TEXT_HELP}; wikitext-2 reads its test split; auto: wikitext-2 when the Hub answers, else the held-out last 25% of builtin."),
     context: int = typer.Option(512, help="Perplexity window in tokens."),
-    stride: int = typer.Option(None, help="Window stride in tokens [default: = context]."),
-    eval_tokens: int = typer.Option(None, help="Score only the first N tokens [default: all]."),
+    stride: int = typer.Option(None, help="Window stride in tokens (default: = context)."),
+    eval_tokens: int = typer.Option(None, help="Score only the first N tokens (default: all)."),
     speed: bool = typer.Option(True, "--speed/--no-speed", help="Measure prefill/decode tokens/s side by side."),
     probe: bool = typer.Option(True, "--probe/--no-probe", help="Run the factual-recall probe."),
     trust_remote_code: bool = typer.Option(False, help="Needed for Hub ids: runs the modeling code the repo ships."),

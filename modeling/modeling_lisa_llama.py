@@ -255,9 +255,11 @@ class LisaSharedAttention(nn.Module):
             q_prev, k_prev = self.align.features(*prev)
             query = torch.cat([q_prev, q_lr * self.rank**-0.5], dim=-1) if self.rank else q_prev
             key = torch.cat([k_prev, k_lr], dim=-1) if self.rank else k_prev
+            # V padded to the query/key width: SDPA's fused (flash) kernels need one head width for q, k and v
+            value = nn.functional.pad(repeat_kv(value, self.num_key_value_groups), (0, query.shape[-1] - self.head_dim))
             attn_output = nn.functional.scaled_dot_product_attention(
-                query, key, repeat_kv(value, self.num_key_value_groups), attn_mask=additive_mask, scale=1.0
-            ).transpose(1, 2)
+                query, key, value, attn_mask=additive_mask, scale=1.0
+            )[..., : self.head_dim].transpose(1, 2)
             passed = (query, key) if handoff == "features" else None
             if handoff == "scores":
                 passed = torch.matmul(query, key.transpose(2, 3))

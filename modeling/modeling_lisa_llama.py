@@ -15,8 +15,8 @@ S are pre-softmax logits ("logits-space" mixing keeps rows normalised after the 
   [scale Q_{l-1}[source] | Q^lr / sqrt(r)] . [K_{l-1}[source] | K^lr]^T. The layer below hands over its (query, key)
   features, nothing T x T is materialised, and SDPA does the softmax and V product.
 - A full layer uses the configured attention backend (SDPA) unless the next layer needs its scores.
-At decode the previous layer hands over its score row (or its features) for the new token, so a LISA layer caches
-only its low-rank K (r per head) and its V. A FASC linear is `y = proj_out(proj_in(x))` (`A (B x)`).
+At decode the previous layer hands over its score row for the new token (for sparse Align too: one row is
+cheap), so a LISA layer caches only its low-rank K (r per head) and its V. A FASC linear is `y = proj_out(proj_in(x))` (`A (B x)`).
 """
 
 from collections.abc import Callable
@@ -404,8 +404,10 @@ class LisaLlamaModel(LisaLlamaPreTrainedModel):
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+        # one query row (decode): a score row is as cheap as features and skips re-gathering the whole key cache
+        handoffs = self.handoffs if q_len > 1 else [handoff and "scores" for handoff in self.handoffs]
         passed = None
-        for layer, handoff in zip(self.layers, self.handoffs):
+        for layer, handoff in zip(self.layers, handoffs):
             hidden_states, passed = layer(
                 hidden_states,
                 attention_mask=causal_mask,

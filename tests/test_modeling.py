@@ -164,3 +164,20 @@ def test_sparse_align_source_heads_survive_save_and_load(tmp_path):
     ids = torch.randint(0, 128, (1, 9))
     with torch.no_grad():
         assert (loaded(ids).logits - model(ids).logits).abs().max() <= 1e-5
+
+
+def test_sampling_with_cache_equals_sampling_without():
+    """generate(do_sample=True) draws the same tokens with and without the cache under one seed."""
+    torch.manual_seed(0)
+    model = lisa_copy(
+        LlamaForCausalLM(tiny_config()).eval(),
+        lisa_layers={"1": {"rank": 4, "align": "sparse"}, "2": {"rank": 4, "align_hidden": 4}},
+    )
+    ids = torch.randint(0, 128, (2, 5))
+    runs = []
+    for use_cache in (True, False):
+        torch.manual_seed(7)
+        with torch.no_grad():
+            runs.append(model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=True,
+                                       top_k=20, temperature=0.9, use_cache=use_cache))
+    assert torch.equal(runs[0], runs[1]) and runs[0].shape == (2, 15)

@@ -32,9 +32,9 @@ from .lisa import (
     search_layers_by_perplexity,
     select_layers,
 )
+from .memory import peak_memory
 from .plots import fasc_ranks_and_rho, perplexity_bars, similarity_heatmap, speed_bars
 from .probe import run_probe
-from .memory import peak_memory
 from .progress import console
 from .push import push_folder, require_token
 from .source import ResolvedSource, load_source, resolve_source

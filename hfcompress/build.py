@@ -163,12 +163,23 @@ def save_model_files(
 ) -> None:
     """Weights (safetensors, in `dtype`), config with auto_map, remote-code files, tokenizer, generation config."""
     working_dtype = next(model.parameters()).dtype
-    model.to(dtype)
+    cast_parameters(model, dtype)
     try:
         model.save_pretrained(directory, safe_serialization=True)
     finally:
-        model.to(working_dtype)  # the reload check compares against the (already rounded) working copy
+        cast_parameters(model, working_dtype)  # the reload check compares against the (already rounded) working copy
     save_companion_files(tokenizer, generation_config, directory)
+
+
+def cast_parameters(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Parameters to `dtype`, in place; buffers such as the RoPE frequencies stay as they are.
+
+    `module.to(dtype)` would round those too: transformers recomputes them in float32 when it loads a model, so a
+    model whose buffers went through bfloat16 no longer computes what the saved one does.
+    """
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
+    return model
 
 
 def save_companion_files(tokenizer, generation_config, directory: Path) -> None:

@@ -17,7 +17,14 @@ from pathlib import Path
 import torch
 
 from . import __version__
-from .build import build_converted_model, parameter_counts, refuse_existing_output, save_model_files, write_output_dir
+from .build import (
+    build_converted_model,
+    cast_parameters,
+    parameter_counts,
+    refuse_existing_output,
+    save_model_files,
+    write_output_dir,
+)
 from .calibrate import cache_key, collect_attention_inputs, collect_linear_stats, load_or_compute, tensor_fingerprint
 from .card import write_card
 from .errors import GATE_FAILED_EXIT, HfcompressError
@@ -282,7 +289,7 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> dict:
             converted, healing = heal_with_lora(converted, model, sequences, options.heal_steps, seed=options.seed)
 
     if saved_dtype != torch.float32:  # validate the weights that will be saved, rounded to their dtype
-        converted.to(saved_dtype).float()
+        cast_parameters(cast_parameters(converted, saved_dtype), torch.float32)
 
     probe = {}
     if options.probe:
@@ -363,7 +370,7 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> dict:
         "timings": timings,
     }
     repo_id = options.push_to or f"{out_dir.name}"
-    probe_ids = eval_ids[: min(64, len(eval_ids))].unsqueeze(0)
+    probe_ids = eval_ids[: min(256, len(eval_ids))].unsqueeze(0)  # long enough for RoPE errors to show
 
     def write(directory: Path) -> None:
         save_model_files(converted, tokenizer, getattr(model, "generation_config", None), directory, saved_dtype)

@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from .build import cast_parameters
+
 
 @dataclass
 class SpeedResult:
@@ -127,12 +129,12 @@ def measure_speed(
     device, dtype = (torch.device("cuda"), gpu_dtype) if cuda else (torch.device("cpu"), torch.float32)
     working_dtype = next(converted.parameters()).dtype
     prompt = ids[:prompt_tokens].unsqueeze(0).to(device)
-    models = {"original": original.to(device, dtype), "converted": converted.to(device, dtype)}
+    models = {"original": cast_parameters(original.to(device), dtype), "converted": cast_parameters(converted.to(device), dtype)}
     try:
         measured = compare_speed(models, prompt, new_tokens, repeats)
     finally:
         for model in models.values():
-            model.to("cpu", working_dtype)
+            cast_parameters(model.to("cpu"), working_dtype)
     orig, conv = measured["original"], measured["converted"]
     return {
         "hardware": hardware_description(),

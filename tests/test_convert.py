@@ -294,3 +294,19 @@ def test_lisa_perplexity_budget_search(tiny_llama_dir, tmp_path):
     assert report["lisa"]["layers"] == candidates
     assert 1 <= len(search["probes"]) <= len(candidates).bit_length()
     assert all(p["perplexity"] <= search["limit"] for p in search["probes"])
+
+
+def test_cast_parameters_leaves_rope_buffers_alone(tiny_llama_dir):
+    """Rounding the weights for a bf16 save must not round the RoPE frequencies: transformers recomputes those in
+    float32 at load, so a rounded copy would no longer compute what the saved model computes."""
+    from transformers import LlamaForCausalLM
+
+    from hfcompress.build import cast_parameters
+
+    model = LlamaForCausalLM.from_pretrained(tiny_llama_dir)
+    inv_freq = model.model.rotary_emb.inv_freq.clone()
+    weight = model.lm_head.weight.detach().clone()
+    cast_parameters(cast_parameters(model, torch.bfloat16), torch.float32)
+    assert torch.equal(model.model.rotary_emb.inv_freq, inv_freq)
+    assert model.lm_head.weight.dtype == torch.float32
+    assert torch.equal(model.lm_head.weight, weight.to(torch.bfloat16).float())

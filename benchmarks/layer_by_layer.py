@@ -60,7 +60,8 @@ def dequantised_smollm2(workdir: Path) -> Path:
 
 
 def compare_outputs(a: Path, b: Path) -> dict:
-    """Largest weight difference (one tensor at a time) and logit difference of two converted directories."""
+    """Largest weight difference (one tensor at a time; a FASC layer as its product A B, whose factors' signs are
+    free) and largest logit difference of two converted directories."""
     import torch
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
@@ -68,14 +69,17 @@ def compare_outputs(a: Path, b: Path) -> dict:
     def tensors(directory: Path) -> dict[str, Path]:
         return {k: f for f in sorted(directory.glob("*.safetensors")) for k in safe_open(f, "pt").keys()}
 
+    def weight(files: dict[str, Path], name: str) -> torch.Tensor:
+        if name.endswith("proj_in.weight"):
+            out = name.replace("proj_in", "proj_out")
+            return safe_open(files[out], "pt").get_tensor(out).float() @ safe_open(files[name], "pt").get_tensor(name).float()
+        return safe_open(files[name], "pt").get_tensor(name).float()
+
     ta, tb = tensors(a), tensors(b)
     if set(ta) != set(tb):
         return {"same_tensor_names": False}
-    weight_diff = 0.0
-    for name in ta:
-        x = safe_open(ta[name], "pt").get_tensor(name).float()
-        y = safe_open(tb[name], "pt").get_tensor(name).float()
-        weight_diff = max(weight_diff, (x - y).abs().max().item())
+    names = [n for n in ta if not n.endswith("proj_out.weight")]
+    weight_diff = max((weight(ta, n) - weight(tb, n)).abs().max().item() for n in names)
     ids = torch.arange(100, 228).unsqueeze(0)
     with torch.no_grad():
         logits = [AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True, dtype=torch.float32)(ids).logits for d in (a, b)]

@@ -1,7 +1,10 @@
 """Peak resident memory of this process, for the report and the terminal."""
 
+import ctypes
 import resource
 import sys
+
+M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
 
 
 def peak_memory() -> dict[str, float]:
@@ -10,3 +13,16 @@ def peak_memory() -> dict[str, float]:
     Children are left out on purpose: a child's ru_maxrss starts from its parent's resident set at fork time."""
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"peak_rss_mb": round(maxrss / (2**20 if sys.platform == "darwin" else 2**10), 1)}
+
+
+def return_freed_memory() -> None:
+    """Serve large blocks (>= 1 MiB) straight from mmap, so a freed layer or activation goes back to the OS.
+
+    glibc otherwise raises its mmap threshold after the first large free (up to 32 MiB) and keeps later blocks in
+    its heap, where a streamed run that allocates and frees layer after layer leaves them resident. No-op where
+    glibc is not the allocator."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)

@@ -31,6 +31,7 @@ import shutil
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -43,7 +44,7 @@ from .calibrate import LinearStats, RHO_PROBES, cache_key, new_linear_stats, ten
 from .errors import HfcompressError
 from .fasc import Decomposition, decompose, dependence_violation, layer_result, plan_ranks, trusted_layers
 from .lisa import SIMILARITY_SEQUENCES, causal_mask, converted_scores, fit_shared_layer, layer_similarity, lowrank_rank, select_layers
-from .memory import peak_memory
+from .memory import peak_memory, return_freed_memory
 from .progress import console, progress_bar
 from .remote import import_remote
 from .source import ResolvedSource, load_tokenizer, resolve_source
@@ -205,10 +206,27 @@ class Stream:
         return nn.functional.embedding(ids, self.checkpoint.load(["model.embed_tokens.weight"])["model.embed_tokens.weight"].float())
 
 
-def _token_nll(norm: nn.Module, lm_head: torch.Tensor, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Summed next-token negative log-likelihood of one sequence, as calibrate.py and validate.py compute it."""
-    logits = norm(hidden) @ lm_head.T
-    return nn.functional.cross_entropy(logits[:-1].float(), ids[1:], reduction="sum")
+NLL_CHUNK = 128  # positions per lm_head product: the logits of a whole sequence (T x vocab) are never held
+
+
+def token_nll(
+    norm: nn.Module, lm_head: torch.Tensor, hidden: torch.Tensor, ids: torch.Tensor, with_grad: bool = False
+) -> tuple[float, torch.Tensor | None]:
+    """Summed next-token negative log-likelihood of one sequence (T, d) as calibrate.py and validate.py compute it,
+    and (with_grad) its gradient with respect to `hidden`; computed a chunk of positions at a time
+    (each position's loss depends on its own hidden state only)."""
+    total, grads = 0.0, []
+    for start in range(0, len(ids) - 1, NLL_CHUNK):
+        end = min(start + NLL_CHUNK, len(ids) - 1)
+        part = hidden[start:end].detach().requires_grad_(with_grad)
+        with torch.set_grad_enabled(with_grad):
+            loss = nn.functional.cross_entropy((norm(part) @ lm_head.T).float(), ids[start + 1 : end + 1], reduction="sum")
+            if with_grad:
+                grads.append(torch.autograd.grad(loss, part)[0])
+        total += loss.item()
+    if not with_grad:
+        return total, None
+    return total, torch.cat([*grads, torch.zeros_like(hidden[-1:])])  # the last position predicts nothing
 
 
 @dataclass
@@ -303,11 +321,9 @@ def fisher_pass(run: Run, fasc_dir: Path) -> None:
         hidden = run.hidden(stream.num_layers)
         grad = torch.empty_like(hidden)
         for i, ids in enumerate(run.sequences):
-            h = hidden[i].clone().requires_grad_(True)
-            loss = _token_nll(norm, lm_head, h, ids)
-            if not torch.isfinite(loss):
+            loss, grad[i] = token_nll(norm, lm_head, hidden[i], ids, with_grad=True)
+            if not math.isfinite(loss):
                 raise HfcompressError("The calibration loss is NaN/inf: the source weights are broken.")
-            (grad[i],) = torch.autograd.grad(loss, h)
         del norm, lm_head
     else:
         grad = torch.load(grads_dir / f"grad-{order[done - 1]}.pt")
@@ -453,7 +469,8 @@ def finish_evaluation(run: Run, evaluation: Evaluation, context: int) -> tuple[P
     with torch.no_grad():
         sums = torch.zeros(3, dtype=torch.float64)  # original NLL, converted NLL, tokens
         for ids, original, converted in zip(evaluation.ids, evaluation.original, evaluation.converted):
-            sums += torch.tensor([_token_nll(norm, lm_head, original[0], ids).item(), _token_nll(norm, lm_head, converted[0], ids).item(), len(ids) - 1], dtype=torch.float64)
+            nll = [token_nll(norm, lm_head, hidden[0], ids)[0] for hidden in (original, converted)]
+            sums += torch.tensor([*nll, len(ids) - 1], dtype=torch.float64)
         logits = norm(evaluation.probe) @ lm_head.T
     run.processes.sum(sums)
     tokens = int(sums[2])
@@ -489,7 +506,7 @@ def write_shard(sources: list[Path], dest: Path) -> dict[str, int]:
     with open(tmp, "wb") as out:
         out.write(len(raw).to_bytes(8, "little") + raw)
         for _, name, handle, _, _ in entries:
-            out.write(handle.get_tensor(name).contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            out.write(handle.get_tensor(name).contiguous().view(-1).view(torch.uint8).numpy())  # no bytes copy
     tmp.replace(dest)
     return {name: math.prod(shape) for _, name, _, _, shape in entries}
 
@@ -578,14 +595,26 @@ def convert_layer_by_layer(options, argv: list[str] | None = None) -> dict:
 
     started = time.perf_counter()
     timings: dict[str, float] = {}
-    if options.heal_steps or options.lisa_tune_steps:
-        raise HfcompressError("--heal-steps and --lisa-tune-steps train the whole model at once: they cannot run with --layer-by-layer.")
+    peaks: dict[str, float] = {}  # running peak RSS after each step: which step set the peak
+
+    @contextmanager
+    def step(name: str):
+        with pipeline._step(name, timings):
+            yield
+        peaks[name] = peak_memory()["peak_rss_mb"]
+
+    if options.heal_steps or options.lisa_tune_steps or options.lisa.max_ppl_increase is not None:
+        raise HfcompressError(
+            "--heal-steps, --lisa-tune-steps and --lisa-ppl-budget run the whole model at once: "
+            "they cannot run with --layer-by-layer (choose the shared layers with --share-ratio or --lisa-layers)."
+        )
+    return_freed_memory()
     processes = Processes()
     token = pipeline.require_token() if options.push_to and processes.is_main else None
     out_dir = refuse_existing_output(Path(options.out).expanduser().resolve(), options.overwrite)
     torch.manual_seed(options.seed)
 
-    with pipeline._step("fetch", timings):
+    with step("fetch"):
         source = _source(options, token)
         tokenizer = load_tokenizer(source)
         source_config = LlamaConfig.from_pretrained(source.path)  # never the source's own config class
@@ -600,13 +629,13 @@ def convert_layer_by_layer(options, argv: list[str] | None = None) -> dict:
         calib_dir = options.cache_dir / cache_key(pipeline._source_identity(source), tensor_fingerprint(sequences)) / "layer-by-layer"
         run = Run(options, stream, processes, sequences[processes.index * share : (processes.index + 1) * share], calib_dir, saved_dtype)
 
-    with pipeline._step("calibrate: forward", timings):
+    with step("calibrate: forward"):
         similarity = forward_pass(run)
 
     fasc_dir, fasc_ranks, fasc_results = None, {}, []
     if options.fasc.budget < 1.0:
         fasc_dir = calib_dir / f"fasc-{cache_key(asdict(options.fasc), options.seed)}"
-        with pipeline._step("calibrate + fasc: backward", timings):
+        with step("calibrate + fasc: backward"):
             fisher_pass(run, fasc_dir)
             fasc_ranks, fasc_results = plan_fasc(run, fasc_dir)
 
@@ -616,9 +645,9 @@ def convert_layer_by_layer(options, argv: list[str] | None = None) -> dict:
     probe_ids = eval_ids[: min(64, len(eval_ids))].unsqueeze(0)
     embedded = [stream.embed(w.unsqueeze(0)) for w in windows]
     evaluation = Evaluation(windows, embedded, [e.clone() for e in embedded], [None] * len(windows), probe_ids, stream.embed(probe_ids))
-    with pipeline._step("lisa + fasc: convert layer by layer", timings):
+    with step("lisa + fasc: convert layer by layer"):
         records, qk_params, evaluation = convert_pass(run, similarity, fasc_ranks, fasc_dir, work, evaluation)
-    with pipeline._step("validate: perplexity", timings):
+    with step("validate: perplexity"):
         ppl_original, ppl_converted, probe_logits = finish_evaluation(run, evaluation, options.eval_context)
 
     names = [f"model.layers.{i}." for i in range(stream.num_layers)]
@@ -684,7 +713,7 @@ def convert_layer_by_layer(options, argv: list[str] | None = None) -> dict:
         config.save_pretrained(directory)
         generation = Path(source.path) / "generation_config.json"
         save_companion_files(tokenizer, GenerationConfig.from_pretrained(source.path) if generation.is_file() else None, directory)
-        with pipeline._step("validate: fresh-process reload", timings):
+        with step("validate: fresh-process reload"):
             if 4 * sum(sizes.values()) < RELOAD_MEMORY_FRACTION * _available_memory():
                 cls, logits = reload_in_fresh_process(directory, probe_ids)
                 diff = (logits.float() - probe_logits).abs().max().item()
@@ -695,11 +724,11 @@ def convert_layer_by_layer(options, argv: list[str] | None = None) -> dict:
                 report["validation"]["reload"] = check_structure(directory)
         report["plots"] = pipeline.write_plots(report, directory / "plots")
         report["wall_seconds"] = round(time.perf_counter() - started, 1)
-        report["memory"] = peak_memory()
+        report["memory"] = {**peak_memory(), "peak_rss_mb_after_step": peaks}
         write_card(report, repo_id, directory)
         (directory / pipeline.REPORT_FILE).write_text(json.dumps(report, indent=2, default=str))
 
-    with pipeline._step("write", timings):
+    with step("write"):
         out_dir = write_output_dir(out_dir, options.overwrite, write)
     shutil.rmtree(work, ignore_errors=True)  # the layer files are in the output now; the calibration cache stays
     memory = report["memory"]

@@ -7,7 +7,7 @@ import typer
 
 from .errors import HfcompressError
 from .fasc import DEFAULT_TARGETS, METHODS, FascOptions
-from .lisa import LisaOptions
+from .lisa import ALIGN_KINDS, LisaOptions
 from .source import BUILTIN_SOURCE
 from .text import check_text_option
 
@@ -153,6 +153,8 @@ def convert(
         )
         if options.fasc.method not in METHODS:
             raise HfcompressError(f"Unknown --fasc-method '{fasc_method}': choose one of {', '.join(METHODS)}.")
+        if options.lisa.align not in ALIGN_KINDS:
+            raise HfcompressError(f"Unknown --lisa-align '{lisa_align}': choose one of {', '.join(ALIGN_KINDS)}.")
         check_text_option(calib_text, "calibration")
         check_text_option(eval_text, "evaluation")
         run_convert(options, argv=sys.argv[1:])

@@ -142,6 +142,9 @@ def test_existing_output_dir_refused(tiny_llama_dir, tmp_path):
 def test_bad_fasc_method(tiny_llama_dir, tmp_path):
     result = run_cli(str(tiny_llama_dir), "--out", str(tmp_path / "o"), "--fasc-method", "magic")
     assert result.exit_code == 2 and "fisher, whiten, svd, pca" in result.output
+    result = run_cli(str(tiny_llama_dir), "--out", str(tmp_path / "o"), "--lisa-align", "magic", "--layer-by-layer")
+    assert result.exit_code == 2 and "dense, sparse, identity" in result.output
+    assert not (tmp_path / "o").exists()
 
 
 def test_interrupted_write_leaves_nothing(tmp_path):

@@ -16,7 +16,8 @@ S are pre-softmax logits ("logits-space" mixing keeps rows normalised after the 
   features, nothing T x T is materialised, and SDPA does the softmax and V product.
 - A full layer uses the configured attention backend (SDPA) unless the next layer needs its scores.
 At decode the previous layer hands over its score row for the new token (for sparse Align too: one row is
-cheap), so a LISA layer caches only its low-rank K (r per head) and its V. A FASC linear is `y = proj_out(proj_in(x))` (`A (B x)`).
+cheap), so a LISA layer caches only its low-rank K (r per head) and its V.
+A FASC linear is `y = proj_out(proj_in(x))` (`A (B x)`).
 """
 
 from collections.abc import Callable

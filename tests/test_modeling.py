@@ -116,20 +116,22 @@ SPARSE_CHAINS = {
 }
 
 
-def sparse_alignment(model: LisaLlamaForCausalLM) -> None:
-    """A non-trivial head matching, as conversion would set it."""
+def sparse_model(spec: dict) -> tuple[LlamaForCausalLM, LisaLlamaForCausalLM]:
+    """(reference Llama, LisaLlama copy with `spec`) where sparse layers have a non-trivial head matching, as
+    conversion would set it."""
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM(tiny_config()).eval()
+    model = lisa_copy(reference, lisa_layers=spec)
     for layer in model.model.layers:
         if layer.is_lisa and layer.self_attn.sparse:
             layer.self_attn.align.source.copy_(torch.tensor([2, 0, 3, 3]))
+    return reference, model
 
 
 @pytest.mark.parametrize("spec", SPARSE_CHAINS.values(), ids=SPARSE_CHAINS.keys())
 def test_sparse_align_features_path_equals_materialised_scores(spec):
     """The SDPA path over concatenated features computes exactly Align(S_prev) + low-rank scores."""
-    torch.manual_seed(0)
-    reference = LlamaForCausalLM(tiny_config()).eval()
-    model = lisa_copy(reference, lisa_layers=spec)
-    sparse_alignment(model)
+    reference, model = sparse_model(spec)
     ids = torch.randint(0, 128, (2, 13))
     materialised = lisa_copy(reference, lisa_layers=spec)
     materialised.load_state_dict(model.state_dict())
@@ -141,10 +143,7 @@ def test_sparse_align_features_path_equals_materialised_scores(spec):
 
 @pytest.mark.parametrize("spec", SPARSE_CHAINS.values(), ids=SPARSE_CHAINS.keys())
 def test_sparse_align_generate_with_cache_equals_recompute(spec):
-    torch.manual_seed(0)
-    reference = LlamaForCausalLM(tiny_config()).eval()
-    model = lisa_copy(reference, lisa_layers=spec)
-    sparse_alignment(model)
+    _, model = sparse_model(spec)
     ids = torch.randint(0, 128, (2, 6))
     with torch.no_grad():
         generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False)
@@ -155,9 +154,7 @@ def test_sparse_align_generate_with_cache_equals_recompute(spec):
 
 
 def test_sparse_align_source_heads_survive_save_and_load(tmp_path):
-    torch.manual_seed(0)
-    model = lisa_copy(LlamaForCausalLM(tiny_config()).eval(), lisa_layers={"2": {"rank": 4, "align": "sparse"}})
-    sparse_alignment(model)
+    _, model = sparse_model({"2": {"rank": 4, "align": "sparse"}})
     model.save_pretrained(tmp_path)
     loaded = LisaLlamaForCausalLM.from_pretrained(tmp_path).eval()
     assert loaded.model.layers[2].self_attn.align.source.tolist() == [2, 0, 3, 3]

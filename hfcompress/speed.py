@@ -127,14 +127,15 @@ def measure_speed(
     """
     cuda = torch.cuda.is_available()
     device, dtype = (torch.device("cuda"), gpu_dtype) if cuda else (torch.device("cpu"), torch.float32)
-    working_dtype = next(converted.parameters()).dtype
+    models = {"original": original, "converted": converted}
+    working_dtypes = {name: next(model.parameters()).dtype for name, model in models.items()}
     prompt = ids[:prompt_tokens].unsqueeze(0).to(device)
-    models = {"original": cast_parameters(original.to(device), dtype), "converted": cast_parameters(converted.to(device), dtype)}
     try:
-        measured = compare_speed(models, prompt, new_tokens, repeats)
-    finally:
-        for model in models.values():
-            cast_parameters(model.to("cpu"), working_dtype)
+        on_device = {name: cast_parameters(model.to(device), dtype) for name, model in models.items()}
+        measured = compare_speed(on_device, prompt, new_tokens, repeats)
+    finally:  # each model back on the CPU in its own working dtype
+        for name, model in models.items():
+            cast_parameters(model.to("cpu"), working_dtypes[name])
     orig, conv = measured["original"], measured["converted"]
     return {
         "hardware": hardware_description(),

@@ -1,32 +1,38 @@
 """`hfcompress analyze`: per-layer attention similarity (and optionally FASC rho) without converting.
 
-Uses the same calibration cache as `convert`, so a later conversion of the same model and text reuses it.
+It runs the conversion's own fetch and calibration passes (pipeline.py) with the same cache, so a later
+`convert` of the same model and text resumes from them.
 """
 
 import json
 from pathlib import Path
 
+import torch
 from rich.table import Table
 
-from .convert import ConvertOptions, prepare
-from .fasc import dependence_violation
-from .lisa import select_layers
+from .config import ConvertOptions
+from .fasc import FascMethod
+from .lisa import LisaMethod
+from .methods import Planner
+from .pipeline import Run, calibrate, fetch
 from .plots import similarity_heatmap
 from .progress import console
 
 
-def analyze(options: ConvertOptions, plot: Path, json_path: Path | None, with_rho: bool) -> dict:
-    prepared = prepare(options)
-    model = prepared.model
-    similarity = prepared.similarity(prepared.attention_inputs())
-    num_layers = model.config.num_hidden_layers
-    chosen = select_layers(similarity, num_layers, options.lisa)
+def analyze(options: ConvertOptions, plot: Path, json_path: Path | None) -> dict:
+    run = Run(options, argv=None)
+    lisa = LisaMethod.from_options(options)
+    methods = [lisa] + ([FascMethod.from_options(options)] if options.fasc.budget < 1.0 else [])
+    fetched = fetch(run, methods)
+    calibrate(run, methods)
+    lisa.plan(Planner(run.stream.config, run.stream.num_layers))
+    similarity, chosen = lisa.similarity, lisa.chosen
     rho = {}
-    if with_rho:
-        stats = prepared.linear_stats(options.fasc.targets, options.seed)
-        rho = {name: dependence_violation(entry) for name, entry in stats.items()}
+    if len(methods) > 1:
+        for idx in range(run.stream.num_layers):
+            rho.update(torch.load(methods[1].store / f"fasc-{idx}.pt")["rhos"])
 
-    table = Table(title=f"{prepared.source.name}: attention similarity to the previous layer (JS, nats)")
+    table = Table(title=f"{fetched.source.name}: attention similarity to the previous layer (JS, nats)")
     columns = ("layer", "JS same head", "JS best match", "aligned output error", "matching (head <- prev head)", "shared")
     for column in columns:
         table.add_column(column)
@@ -50,11 +56,11 @@ def analyze(options: ConvertOptions, plot: Path, json_path: Path | None, with_rh
     similarity_heatmap([s.to_dict() for s in similarity], chosen, plot)
     console.print(f"heatmap: {plot}")
     result = {
-        "source": prepared.source.to_dict(),
+        "source": fetched.source.to_dict(),
         "similarity": [s.to_dict() for s in similarity],
-        "selected_at_share_ratio": {"share_ratio": options.lisa.share_ratio, "layers": chosen},
+        "selected_at_share_ratio": {"share_ratio": options.lisa.ratio, "layers": chosen},
         "rho": rho,
-        "cache": str(prepared.cache),
+        "cache": str(run.calib_dir),
     }
     if json_path:
         json_path.write_text(json.dumps(result, indent=2))

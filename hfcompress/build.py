@@ -14,24 +14,22 @@ import torch
 from torch import nn
 
 from .errors import WRITE_FAILED_EXIT, HfcompressError
-from .lisa import FittedLayer
+from .fasc import replace_linear
+from .lisa import FittedLayer, is_lisa_parameter, replace_qk
 from .remote import AUTO_MAP, lisa_classes, remote_code_files
 
 
-def converted_config(original_config, lisa_spec: dict[str, dict], fasc_ranks: dict[str, int]):
-    """The LisaLlamaConfig (with auto_map) of the original config plus the shared layers and the FASC ranks."""
+def converted_config(original_config, entries: dict):
+    """The LisaLlamaConfig (with auto_map) of the original config plus the methods' entries (lisa_layers,
+    fasc_ranks, ...)."""
     config_cls, _ = lisa_classes()
     base = original_config.to_dict()
-    for key in ("model_type", "architectures", "auto_map", "quantization_config", "transformers_version"):
+    for key in ("model_type", "architectures", "auto_map", "quantization_config", "transformers_version", *entries):
         base.pop(key, None)
-    config = config_cls(**base, lisa_layers=lisa_spec, fasc_ranks=fasc_ranks)
+    config = config_cls(**base, **entries)
     config.architectures = ["LisaLlamaForCausalLM"]
     config.auto_map = dict(AUTO_MAP)
     return config
-
-
-def lisa_spec(lisa_layers: list[FittedLayer]) -> dict[str, dict]:
-    return {str(f.layer): {"rank": f.rank, "align": f.align, "align_hidden": f.align_hidden} for f in lisa_layers}
 
 
 def converted_state(
@@ -39,21 +37,12 @@ def converted_state(
     lisa_layers: list[FittedLayer],
     fasc_factors: dict[str, tuple[torch.Tensor, torch.Tensor]],
 ) -> dict[str, torch.Tensor]:
-    """`state` (the original state dict, or the part of it holding these layers) with the shared layers' Q/K
-    replaced by their fitted modules and every factorised linear by proj_in (B) and proj_out (A)."""
-    state = dict(state)
-    for fitted in lisa_layers:
-        prefix = f"model.layers.{fitted.layer}.self_attn."
-        for key in ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias"):
-            state.pop(prefix + key, None)
-        state.update({prefix + key: value for key, value in fitted.state.items()})
+    """`state` with the shared layers' Q/K replaced by their fitted modules and every factorised linear by its
+    factors (the same functions the methods apply layer by layer)."""
+    for record in lisa_layers:
+        state = replace_qk(state, record)
     for name, (a, b) in fasc_factors.items():
-        prefix = f"model.layers.{name}."
-        state.pop(prefix + "weight")
-        state[prefix + "proj_in.weight"] = b
-        state[prefix + "proj_out.weight"] = a
-        if prefix + "bias" in state:
-            state[prefix + "proj_out.bias"] = state.pop(prefix + "bias")
+        state = replace_linear(state, name, a, b)
     return state
 
 
@@ -62,21 +51,35 @@ def build_converted_model(
     lisa_layers: list[FittedLayer],
     fasc_factors: dict[str, tuple[torch.Tensor, torch.Tensor]],
 ) -> nn.Module:
-    """The converted model in memory; every weight comes from the original or a fitted module, none is random."""
-    _, model_cls = lisa_classes()
-    config = converted_config(
-        original.config, lisa_spec(lisa_layers), {name: int(b.shape[0]) for name, (a, b) in fasc_factors.items()}
-    )
-    model = model_cls(config).to(next(original.parameters()).dtype)
+    """A converted model in memory from a loaded original and fitted modules (research scripts and tests; the
+    pipeline assembles its output layer by layer)."""
+    spec = {str(f.layer): {"rank": f.rank, "align": f.align, "align_hidden": f.align_hidden} for f in lisa_layers}
+    ranks = {name: int(b.shape[0]) for name, (a, b) in fasc_factors.items()}
+    config = converted_config(original.config, {"lisa_layers": spec, "fasc_ranks": ranks})
     state = converted_state(original.state_dict(), lisa_layers, fasc_factors)
-    result = model.load_state_dict(state, strict=False)
-    missing = [k for k in result.missing_keys if k != "lm_head.weight" or not config.tie_word_embeddings]
+    return assemble(config, state, next(original.parameters()).dtype)
+
+
+def assemble(config, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32, cls=None) -> nn.Module:
+    """A model of `config` (LisaLlamaForCausalLM, or `cls`) holding exactly `state`, built on the meta device (no
+    random weights allocated); RoPE buffers computed afresh. Every tensor must be in `state`."""
+    if cls is None:
+        _, cls = lisa_classes()
+    with torch.device("meta"):
+        model = cls(config)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    result = model.load_state_dict({k: v.to(dtype) for k, v in state.items() if k not in tied}, strict=False, assign=True)
+    missing = sorted(set(result.missing_keys) - tied)
     if missing or result.unexpected_keys:
         raise HfcompressError(
-            f"Internal error: converted weights do not match the LisaLlama layout "
+            f"Internal error: converted weights do not match the model's layout "
             f"(missing {missing[:5]}, unexpected {result.unexpected_keys[:5]})."
         )
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)  # non-persistent buffers: not in `state`
     model.tie_weights()
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise HfcompressError(f"Internal error: {left[:3]} were not loaded.")
     return model.eval().requires_grad_(False)
 
 
@@ -95,7 +98,7 @@ def count_parameters(sizes: dict[str, int]) -> dict[str, int]:
     counts = {"total": 0, "attention_qk": 0, "attention_other": 0, "mlp": 0, "other": 0}
     for name, numel in sizes.items():
         counts["total"] += numel
-        if any(t in name for t in ("q_proj", "k_proj", "q_lowrank", "k_lowrank", ".align.")):
+        if "q_proj" in name or "k_proj" in name or is_lisa_parameter(name):
             counts["attention_qk"] += numel
         elif "self_attn" in name:
             counts["attention_other"] += numel

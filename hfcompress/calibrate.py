@@ -98,26 +98,32 @@ class LinearStats:
         return self.xx / self.tokens, self.gg / self.tokens
 
 
-def _new_stats(linear: nn.Linear, generator: torch.Generator) -> LinearStats:
+def _new_stats(linear: nn.Linear, generator: torch.Generator, device: torch.device) -> LinearStats:
     n, m = linear.in_features, linear.out_features
-    probe_in = torch.randn(n, RHO_PROBES, generator=generator, dtype=torch.float64)
-    probe_out = torch.randn(m, RHO_PROBES, generator=generator, dtype=torch.float64)
+    probe_in = torch.randn(n, RHO_PROBES, generator=generator, dtype=torch.float64).to(device)
+    probe_out = torch.randn(m, RHO_PROBES, generator=generator, dtype=torch.float64).to(device)
+
+    def zeros(*shape: int) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=torch.float64, device=device)
+
     return LinearStats(
         in_features=n,
         out_features=m,
-        xx=torch.zeros(n, n, dtype=torch.float64),
-        gg=torch.zeros(m, m, dtype=torch.float64),
+        xx=zeros(n, n),
+        gg=zeros(m, m),
         probe_in=probe_in / probe_in.norm(dim=0),
         probe_out=probe_out / probe_out.norm(dim=0),
-        probe_a=torch.zeros(RHO_PROBES, dtype=torch.float64),
-        probe_b=torch.zeros(RHO_PROBES, dtype=torch.float64),
-        probe_ab=torch.zeros(RHO_PROBES, dtype=torch.float64),
+        probe_a=zeros(RHO_PROBES),
+        probe_b=zeros(RHO_PROBES),
+        probe_ab=zeros(RHO_PROBES),
     )
 
 
-def new_linear_stats(linears: dict[str, nn.Linear], generator: torch.Generator) -> dict[str, LinearStats]:
-    """Empty statistics for `linears`; the rho probes are drawn from `generator` in the dict's order."""
-    return {name: _new_stats(linear, generator) for name, linear in linears.items()}
+def new_linear_stats(
+    linears: dict[str, nn.Linear], generator: torch.Generator, device: torch.device | str = "cpu"
+) -> dict[str, LinearStats]:
+    """Empty float64 statistics on `device` for `linears`; the rho probes are drawn from `generator` in order."""
+    return {name: _new_stats(linear, generator, torch.device(device)) for name, linear in linears.items()}
 
 
 def track_linear_stats(linears: dict[str, nn.Module], stats: dict[str, LinearStats]) -> list:

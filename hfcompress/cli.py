@@ -7,9 +7,8 @@ import typer
 
 from .errors import HfcompressError
 from .fasc import DEFAULT_TARGETS, METHODS, FascOptions
-from .lisa import ALIGN_KINDS, LisaOptions
+from .lisa import DEFAULT_SHARE_RATIO, LisaOptions
 from .source import BUILTIN_SOURCE
-from .text import check_text_option
 
 app = typer.Typer(
     help="Convert Llama-family models into LisaLlama (LISA attention sharing + FASC low-rank), validate, push.",
@@ -68,10 +67,12 @@ def convert(
         False, help="Accept a source that declares custom code (auto_map) if it loads as a Llama; its code is never run."
     ),
     max_ppl_increase: float = typer.Option(10.0, help="Quality gate: largest allowed perplexity increase, in percent."),
-    share_ratio: float = typer.Option(LisaOptions.share_ratio, help="Fraction of layers to share (LISA), best-aligned first."),
-    lisa_layers: str = typer.Option(None, help="Explicit comma-separated layers to share; overrides --share-ratio."),
+    share_ratio: float = typer.Option(
+        None, help=f"Fraction of layers to share (LISA), best-aligned first (default {DEFAULT_SHARE_RATIO})."
+    ),
+    lisa_layers: str = typer.Option(None, help="Explicit comma-separated layers to share (instead of --share-ratio)."),
     lisa_ppl_budget: float = typer.Option(
-        None, help="Share as many layers as keep perplexity within +PCT (searched, ~log2(layers) fits); overrides --share-ratio."
+        None, help="Share as many layers as keep perplexity within +PCT (searched, ~log2(layers) fits; instead of --share-ratio)."
     ),
     protect_first: int = typer.Option(LisaOptions.protect_first, help="Number of shallow layers never shared."),
     qk_compression: float = typer.Option(LisaOptions.qk_compression, help="Shared layers' Q/K parameters are at least this many times smaller."),
@@ -81,10 +82,10 @@ def convert(
     align_hidden: int = typer.Option(LisaOptions.align_hidden, help="Width of the dense alignment FFN (0 = linear head mix only)."),
     lowrank: bool = typer.Option(True, "--lowrank/--no-lowrank", help="Low-rank Q/K correction in shared layers."),
     lisa_steps: int = typer.Option(LisaOptions.steps, help="Distillation steps per shared layer."),
-    lisa_tune_steps: int = typer.Option(0, help="Joint end-to-end (logit KL) tuning steps of all shared layers."),
+    lisa_tune_steps: int = typer.Option(0, help="Finisher: joint end-to-end (logit KL) tuning steps of all shared layers."),
     fasc_budget: float = typer.Option(1.0, help="FASC: fraction of targeted linear parameters kept (1.0 = off)."),
     fasc_method: str = typer.Option("fisher", help=f"FASC subspace: {', '.join(METHODS)}."),
-    heal_steps: int = typer.Option(0, help="FASC healing: LoRA (peft) distillation steps, merged before saving."),
+    heal_steps: int = typer.Option(0, help="Finisher: FASC healing, LoRA (peft) distillation steps, merged before saving."),
     fasc_targets: str = typer.Option(",".join(DEFAULT_TARGETS), help="FASC: linear layers to factorise."),
     fasc_rho_keep: float = typer.Option(
         None, help="FASC: linears whose rho (activation-gradient dependence) exceeds this stay dense (default: none)."
@@ -95,17 +96,17 @@ def convert(
     seq_len: int = typer.Option(256, help="Calibration sequence length in tokens."),
     eval_tokens: int = typer.Option(4096, help="Tokens of held-out text scored for perplexity."),
     seed: int = typer.Option(0, help="Random seed (fitting and probes)."),
-    probe: bool = typer.Option(True, "--probe/--no-probe", help="Run the factual-recall probe on both models."),
-    speed: bool = typer.Option(True, "--speed/--no-speed", help="Measure prefill/decode tokens/s of both models side by side."),
+    probe: bool = typer.Option(None, "--probe/--no-probe", help="Factual-recall probe on both models (default: when the model fits in memory)."),
+    speed: bool = typer.Option(None, "--speed/--no-speed", help="Prefill/decode tokens/s of both models side by side (default: when the model fits)."),
     dtype: str = typer.Option("auto", help="Saved weights: auto (the source's dtype; bfloat16 for GGUF), float32, bfloat16, float16."),
+    device: str = typer.Option("auto", help="Where layers are computed: auto (the first CUDA device, else CPU), cpu, cuda, cuda:N."),
+    max_shard_size: str = typer.Option("2GB", help="Largest output safetensors shard, e.g. 2GB or 500MB."),
     layer_by_layer: bool = typer.Option(
-        False, "--layer-by-layer", help="One decoder layer in memory at a time (models larger than RAM; safetensors sources; data-parallel under `accelerate launch`)."
+        False, "--layer-by-layer", hidden=True, help="No effect: every conversion streams layer by layer."
     ),
-    max_shard_size: str = typer.Option("2GB", help="With --layer-by-layer: largest output safetensors shard, e.g. 2GB or 500MB."),
 ) -> None:
     """Convert SOURCE into a LisaLlama model, validate it, write --out and optionally push it."""
-    from .convert import ConvertOptions
-    from .convert import convert as run_convert
+    from .config import ConvertOptions, DistillOptions
 
     def action() -> None:
         name = Path(source).stem if Path(source).suffix == ".gguf" else source.rstrip("/").split("/")[-1]
@@ -128,14 +129,12 @@ def convert(
             probe=probe,
             speed=speed,
             dtype=dtype,
-            layer_by_layer=layer_by_layer,
+            device=device,
             max_shard_size=max_shard_size,
-            heal_steps=heal_steps,
-            lisa_tune_steps=lisa_tune_steps,
             lisa=LisaOptions(
                 share_ratio=share_ratio,
                 layers=_layers(lisa_layers),
-                max_ppl_increase=lisa_ppl_budget,
+                ppl_budget=lisa_ppl_budget,
                 protect_first=protect_first,
                 qk_compression=qk_compression,
                 align=lisa_align,
@@ -150,13 +149,14 @@ def convert(
                 targets=tuple(t.strip() for t in fasc_targets.split(",") if t.strip()),
                 rho_keep_threshold=fasc_rho_keep,
             ),
-        )
-        if options.fasc.method not in METHODS:
-            raise HfcompressError(f"Unknown --fasc-method '{fasc_method}': choose one of {', '.join(METHODS)}.")
-        if options.lisa.align not in ALIGN_KINDS:
-            raise HfcompressError(f"Unknown --lisa-align '{lisa_align}': choose one of {', '.join(ALIGN_KINDS)}.")
-        check_text_option(calib_text, "calibration")
-        check_text_option(eval_text, "evaluation")
+            distill=DistillOptions(lisa_tune_steps=lisa_tune_steps, heal_steps=heal_steps),
+        ).validate()  # every value and combination, before any network or model work
+        if layer_by_layer:
+            from .progress import console
+
+            console.log("--layer-by-layer has no effect any more: every conversion streams one layer at a time.")
+        from .pipeline import convert as run_convert
+
         run_convert(options, argv=sys.argv[1:])
 
     _run(action)
@@ -170,28 +170,29 @@ def analyze(
     plot: Path = typer.Option(Path("similarity.png"), help="Where to write the heatmap PNG."),
     json_out: Path = typer.Option(None, "--json", help="Also write the measurements as JSON."),
     rho: bool = typer.Option(False, "--rho", help="Also measure FASC rho per linear (needs backward passes)."),
-    share_ratio: float = typer.Option(LisaOptions.share_ratio, help="Show which layers convert would share at this ratio."),
+    share_ratio: float = typer.Option(DEFAULT_SHARE_RATIO, help="Show which layers convert would share at this ratio."),
     protect_first: int = typer.Option(2, help="Number of shallow layers never shared."),
     calib_text: str = typer.Option("auto", help=f"Calibration text: {TEXT_HELP}; auto: wikitext-2 (train split) when the Hub answers, else builtin."),
     calib_sequences: int = typer.Option(16, help="Number of calibration sequences."),
     seq_len: int = typer.Option(256, help="Calibration sequence length in tokens."),
     revision: str = typer.Option(None, help="Branch, tag or commit of a Hub source."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
     trust_remote_code: bool = typer.Option(
         False, help="Accept a source that declares custom code (auto_map) if it loads as a Llama; its code is never run."
     ),
 ) -> None:
     """Measure per-layer attention similarity (LISA) and optionally rho (FASC); cached for `convert`."""
     from .analyze import analyze as run_analyze
-    from .convert import ConvertOptions
+    from .config import ConvertOptions
 
     def action() -> None:
         options = ConvertOptions(
             source=source, out=Path("."), revision=revision, trust_remote_code=trust_remote_code, calib_text=calib_text,
-            calib_sequences=calib_sequences, seq_len=seq_len,
+            calib_sequences=calib_sequences, seq_len=seq_len, device=device,
             lisa=LisaOptions(share_ratio=share_ratio, protect_first=protect_first),
-        )
-        check_text_option(calib_text, "calibration")
-        run_analyze(options, plot, json_out, rho)
+            fasc=FascOptions(budget=0.5 if rho else 1.0),  # rho comes from FASC's statistics; nothing is converted
+        ).validate()
+        run_analyze(options, plot, json_out)
 
     _run(action)
 

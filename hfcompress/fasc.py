@@ -13,15 +13,17 @@ gradients independent). With random unit probes u, v we measure
 0 when the factorisation is exact; large values mean the Fisher subspace is less trustworthy for that layer.
 """
 
-from dataclasses import asdict, dataclass
-
+import math
+from dataclasses import asdict, dataclass, replace
 import torch
 
 from .calibrate import LinearStats
 from .errors import HfcompressError
+from .methods import LayerContext, Method, Planner, register
 
 METHODS = ("fisher", "whiten", "svd", "pca")
 DEFAULT_TARGETS = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "self_attn.o_proj", "self_attn.v_proj")
+TARGETABLE = DEFAULT_TARGETS  # every linear of a decoder layer but q/k, which are LISA's
 DAMPING = 0.01  # fraction of the mean diagonal added to C and G before square roots / inverses
 
 
@@ -40,7 +42,7 @@ def dependence_violation(stats: LinearStats) -> float:
 
 
 def _sqrt_and_inverse(cov: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    cov = cov + DAMPING * cov.diagonal().mean() * torch.eye(len(cov), dtype=cov.dtype)
+    cov = cov + DAMPING * cov.diagonal().mean() * torch.eye(len(cov), dtype=cov.dtype, device=cov.device)
     eigval, eigvec = torch.linalg.eigh(cov)
     eigval = eigval.clamp_min(eigval.max() * 1e-12)
     return (eigvec * eigval.sqrt()) @ eigvec.T, (eigvec * eigval.rsqrt()) @ eigvec.T
@@ -63,7 +65,7 @@ def decompose(weight: torch.Tensor, stats: LinearStats, method: str) -> Decompos
     if method not in METHODS:
         raise HfcompressError(f"Unknown --fasc-method '{method}': choose one of {', '.join(METHODS)}.")
     w = weight.detach().double()
-    c, g = stats.covariances()
+    c, g = (cov.to(w.device) for cov in stats.covariances())
     if method == "pca":
         eigval, eigvec = torch.linalg.eigh(c)
         order = eigval.argsort(descending=True)
@@ -72,7 +74,7 @@ def decompose(weight: torch.Tensor, stats: LinearStats, method: str) -> Decompos
         # surrogate weight of dropping direction i: its variance times how much W uses it
         spectrum = eigval[order].clamp_min(0) * left.pow(2).sum(0)
         return Decomposition(left=left, right=basis.T, spectrum=spectrum)
-    eye_m, eye_n = torch.eye(w.shape[0], dtype=w.dtype), torch.eye(w.shape[1], dtype=w.dtype)
+    eye_m, eye_n = (torch.eye(size, dtype=w.dtype, device=w.device) for size in w.shape)
     c_sqrt, c_isqrt = _sqrt_and_inverse(c) if method in ("fisher", "whiten") else (eye_n, eye_n)
     g_sqrt, g_isqrt = _sqrt_and_inverse(g) if method == "fisher" else (eye_m, eye_m)
     u, s, vh = torch.linalg.svd(g_sqrt @ w @ c_sqrt, full_matrices=False)
@@ -184,3 +186,103 @@ def compress_linears(
             factors[name] = (a.to(linear.weight.dtype), b.to(linear.weight.dtype))
         results.append(layer_result(name, tuple(linear.weight.shape), rank, rhos[name], dec))
     return factors, results
+
+
+def replace_linear(state: dict[str, torch.Tensor], name: str, a: torch.Tensor, b: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`state` (full names) with linear `name` ("layer.path") replaced by its factors: proj_in = B, proj_out = A."""
+    state, prefix = dict(state), f"model.layers.{name}."
+    state.pop(prefix + "weight")
+    state[prefix + "proj_in.weight"] = b
+    state[prefix + "proj_out.weight"] = a
+    if prefix + "bias" in state:
+        state[prefix + "proj_out.bias"] = state.pop(prefix + "bias")
+    return state
+
+
+# ------------------------------------------------------------------------------------------- the pipeline unit
+@register
+class FascMethod(Method):
+    """FASC as a pipeline unit: C/G statistics in the backward pass, per-layer factorisations saved as they are
+    computed, one global rank budget in plan, the factors swapped in by apply."""
+
+    name = "fasc"
+    needs_gradients = True
+
+    def __init__(self, options: FascOptions, seed: int = 0) -> None:
+        self.options, self.seed = options, seed
+        self.ranks: dict[str, int | None] = {}
+        self.results: list[FascLayerResult] = []
+
+    @classmethod
+    def from_options(cls, options) -> "FascMethod":
+        return cls(replace(options.fasc), options.seed)
+
+    def active(self) -> bool:
+        return self.options.budget < 1.0
+
+    def settings(self) -> dict:
+        return {**asdict(self.options), "seed": self.seed}
+
+    def gradient_linears(self, ctx: LayerContext) -> dict[str, torch.nn.Module]:
+        return {f"{ctx.index}.{t}": ctx.layer.get_submodule(t) for t in self.options.targets}
+
+    def observe_gradients(self, ctx: LayerContext, stats: dict[str, LinearStats]) -> None:
+        """rho of every targeted linear of this layer; for the trusted ones the factorisation, cut at the break-even
+        rank (no allocation can give a layer more: it would stay dense), saved in float32."""
+        if not ctx.is_main:
+            return
+        rhos = {name: dependence_violation(stats[name]) for name in stats}
+        factors, spectra, shapes = {}, {}, {}
+        for name in stats:
+            weight = ctx.layer.get_submodule(name.split(".", 1)[1]).weight
+            shapes[name] = tuple(weight.shape)
+            if name not in trusted_layers(rhos, self.options):
+                continue
+            dec = decompose(weight, stats[name], self.options.method)
+            m, n = weight.shape
+            keep = min(len(dec.spectrum), math.ceil(m * n / (m + n)))
+            factors[name] = (dec.left[:, :keep].float().cpu(), dec.right[:keep].float().cpu())
+            spectra[name] = dec.spectrum.cpu()
+        torch.save(factors, self.store / f"factors-{ctx.index}.partial")
+        (self.store / f"factors-{ctx.index}.partial").replace(self.store / f"factors-{ctx.index}.pt")
+        torch.save({"rhos": rhos, "shapes": shapes, "spectra": spectra}, self.store / f"fasc-{ctx.index}.partial")
+        (self.store / f"fasc-{ctx.index}.partial").replace(self.store / f"fasc-{ctx.index}.pt")
+
+    def plan(self, planner: Planner) -> None:
+        """Global ranks from every layer's spectrum (the factors stay on disk) and the per-linear report rows."""
+        rhos, shapes, spectra = {}, {}, {}
+        for idx in range(planner.num_layers):
+            summary = torch.load(self.store / f"fasc-{idx}.pt")
+            rhos.update(summary["rhos"])
+            shapes.update(summary["shapes"])
+            spectra.update(summary["spectra"])
+        empty = torch.empty(0)  # only the spectra drive the allocation
+        decompositions = {name: Decomposition(left=empty, right=empty, spectrum=s) for name, s in spectra.items()}
+        self.ranks = plan_ranks(decompositions, shapes, self.options)
+        self.results = [layer_result(name, shapes[name], self.ranks.get(name), rhos[name], decompositions.get(name)) for name in shapes]
+
+    def _ranked(self, index: int) -> dict[str, int]:
+        return {name: r for name, r in self.ranks.items() if r is not None and name.split(".")[0] == str(index)}
+
+    def touches(self, index: int) -> bool:
+        return bool(self._ranked(index))
+
+    def apply(self, ctx: LayerContext, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        ranked = self._ranked(ctx.index)
+        if not ranked:
+            return state
+        stored = torch.load(self.store / f"factors-{ctx.index}.pt")
+        for name, rank in ranked.items():
+            state = replace_linear(state, name, *Decomposition(*stored[name], torch.empty(0)).factors(rank))
+        return state
+
+    def config_entries(self) -> dict:
+        return {"fasc_ranks": {name: r for name, r in self.ranks.items() if r is not None}}
+
+    def report(self) -> dict:
+        return {
+            "method": self.options.method,
+            "budget": self.options.budget,
+            "targets": list(self.options.targets),
+            "layers": [r.to_dict() for r in self.results],
+        }

@@ -13,7 +13,7 @@ For layer l and the previous layer l-1, on calibration sequences:
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -21,24 +21,32 @@ from torch import nn
 
 from .calibrate import cache_key, load_or_compute
 from .errors import HfcompressError
-from .progress import progress_bar
+from .methods import LayerContext, Method, Planner, register
+from .progress import console, progress_bar
 from .remote import import_remote
+
+
+DEFAULT_SHARE_RATIO = 0.2
 
 
 @dataclass
 class LisaOptions:
-    share_ratio: float = 0.2
-    layers: list[int] | None = None  # explicit choice overrides share_ratio
+    share_ratio: float | None = None  # fraction of layers shared, best aligned first (None: DEFAULT_SHARE_RATIO)
+    layers: list[int] | None = None  # explicit choice instead of share_ratio
+    ppl_budget: float | None = None  # percent: share as many layers as keep perplexity within it (searched)
     protect_first: int = 2  # shallow layers are never shared
     qk_compression: float = 6.0  # shared Q/K parameters >= this many times smaller than W_Q + W_K
     align: str = "dense"  # dense (head mix + FFN) | sparse (one scaled head, SDPA fast path) | identity (no alignment)
     align_hidden: int = 16  # dense Align: FFN width across heads; 0 = linear head mix only
     lowrank: bool = True  # low-rank Q/K correction (False: aligned previous scores only, an ablation)
-    max_ppl_increase: float | None = None  # percent: choose the layer count by a perplexity search instead
     steps: int = 100
     batch_size: int = 4
     lr: float = 1e-2
     seed: int = 0
+
+    @property
+    def ratio(self) -> float:
+        return DEFAULT_SHARE_RATIO if self.share_ratio is None else self.share_ratio
 
 
 @dataclass
@@ -59,9 +67,9 @@ def rotary(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return model.model.rotary_emb(x, position_ids=positions)
 
 
-def causal_mask(seq_len: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    allowed = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
-    return torch.zeros(1, 1, seq_len, seq_len, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+def causal_mask(seq_len: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
+    allowed = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+    return torch.zeros(1, 1, seq_len, seq_len, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 def full_attention_scores(attn: nn.Module, x: torch.Tensor, cos_sin) -> torch.Tensor:
@@ -87,7 +95,7 @@ def js_matrix(p_cur: torch.Tensor, p_prev: torch.Tensor) -> torch.Tensor:
     """Mean Jensen-Shannon divergence (nats) between attention rows of every head pair: (H_cur, H_prev)."""
     eps = 1e-12
     heads = p_cur.shape[1]
-    out = torch.empty(heads, p_prev.shape[1])
+    out = torch.empty(heads, p_prev.shape[1], device=p_cur.device)
     for h in range(heads):
         p = p_cur[:, h : h + 1]
         m = 0.5 * (p + p_prev)
@@ -106,14 +114,14 @@ def alignment_mix(cur_scores: torch.Tensor, prev_scores: torch.Tensor, matching:
     each score row has to be matched.
     """
     seq_len = cur_scores.shape[-1]
-    keep = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+    keep = torch.ones(seq_len, seq_len, dtype=torch.bool, device=cur_scores.device).tril()
     count = keep.sum(-1, keepdim=True)
 
     def centred(x: torch.Tensor) -> torch.Tensor:
         x = x.masked_fill(~keep, 0.0)
         return (x - x.sum(-1, keepdim=True) / count).masked_fill(~keep, 0.0)
 
-    mix = torch.zeros(cur_scores.shape[1], prev_scores.shape[1])
+    mix = torch.zeros(cur_scores.shape[1], prev_scores.shape[1], device=cur_scores.device)
     for h, g in enumerate(matching):
         s, p = centred(cur_scores[:, h]), centred(prev_scores[:, g])
         mix[h, g] = (s * p).sum() / (p * p).sum().clamp_min(1e-12)
@@ -133,7 +141,7 @@ def layer_similarity(
 ) -> tuple[LayerSimilarity | None, tuple[torch.Tensor, torch.Tensor]]:
     """Similarity of layer `idx` (attention module, its inputs x) to the previous layer's (scores, probs), and
     this layer's (scores, probs) for the next call; the first layer has nothing to compare with (None)."""
-    mask = causal_mask(x.shape[1])
+    mask = causal_mask(x.shape[1], device=x.device)
     scores = full_attention_scores(attn, x, cos_sin)
     probs = torch.softmax(scores + mask, dim=-1)
     if previous is None:
@@ -176,13 +184,13 @@ def select_layers(similarity: list[LayerSimilarity], num_layers: int, options: L
         if bad:
             raise HfcompressError(f"--lisa-layers {bad} are out of range: layers 1..{num_layers - 1} can be shared.")
         return sorted(set(options.layers))
-    if not 0.0 <= options.share_ratio < 1.0:
-        raise HfcompressError(f"--share-ratio must be in [0, 1), got {options.share_ratio}.")
-    count = round(options.share_ratio * num_layers)
+    if not 0.0 <= options.ratio < 1.0:
+        raise HfcompressError(f"--share-ratio must be in [0, 1), got {options.ratio}.")
+    count = round(options.ratio * num_layers)
     candidates = ranked_candidates(similarity, options)
     if count > len(candidates):
         raise HfcompressError(
-            f"--share-ratio {options.share_ratio} asks for {count} shared layers but only {len(candidates)} "
+            f"--share-ratio {options.ratio} asks for {count} shared layers but only {len(candidates)} "
             f"are outside the {options.protect_first} protected shallow layers."
         )
     return sorted(candidates[:count])
@@ -227,7 +235,7 @@ def lowrank_rank(config, qk_compression: float) -> int:
 
 
 ALIGN_KINDS = ("dense", "sparse", "identity")
-SELECTION_ONLY = ("share_ratio", "layers", "protect_first", "max_ppl_increase")  # LisaOptions that do not change a fit
+SELECTION_ONLY = ("share_ratio", "layers", "protect_first", "ppl_budget")  # LisaOptions that do not change a fit
 
 
 @dataclass
@@ -243,7 +251,9 @@ class FittedLayer:
 
 
 def fit_shared_layer(
-    model: nn.Module,
+    config,
+    original: nn.Module,
+    cos_sin: tuple[torch.Tensor, torch.Tensor],
     layer_idx: int,
     x: torch.Tensor,
     prev_scores: torch.Tensor,
@@ -251,14 +261,13 @@ def fit_shared_layer(
     rank: int,
     options: LisaOptions,
 ) -> tuple[nn.Module, FittedLayer]:
-    """Train Align + low-rank Q/K of one shared layer; returns the module and its fit record."""
+    """Train Align + low-rank Q/K of one shared layer (original attention module `original`, its calibration inputs
+    x, the converted layer below's scores) on x's device; returns the module and its fit record."""
     start = time.perf_counter()
     modeling = import_remote("modeling_lisa_llama")
-    config = model.config
-    original = model.model.layers[layer_idx].self_attn
     align = "dense" if options.align == "dense" else "sparse"  # identity = a sparse Align that stays the identity
     align_hidden = options.align_hidden if align == "dense" else 0
-    module = modeling.LisaSharedAttention(model.config, layer_idx, rank, align_hidden, align)
+    module = modeling.LisaSharedAttention(config, layer_idx, rank, align_hidden, align)
     module.v_proj.load_state_dict(original.v_proj.state_dict())
     module.o_proj.load_state_dict(original.o_proj.state_dict())
     module.v_proj.requires_grad_(False)
@@ -274,11 +283,11 @@ def fit_shared_layer(
                 module.align.ffn_in.bias.zero_()
                 module.align.ffn_out.weight.zero_()
             module.align.bias.zero_()
+    module.to(x.device)
 
     seq_len = x.shape[1]
-    mask = causal_mask(seq_len)
-    cos_sin = rotary(model, x[:1])
-    positions = torch.arange(seq_len).unsqueeze(0)
+    mask = causal_mask(seq_len, device=x.device)
+    positions = torch.arange(seq_len, device=x.device).unsqueeze(0)
     with torch.no_grad():
         target = torch.cat(
             [
@@ -325,7 +334,7 @@ def fit_shared_layer(
         rank=rank,
         align=align,
         align_hidden=align_hidden,
-        state={k: v.detach().clone() for k, v in module.state_dict().items()},
+        state={k: v.detach().cpu().clone() for k, v in module.state_dict().items()},
         loss_initial=loss_initial,
         loss_final=loss_final,
         seconds=time.perf_counter() - start,
@@ -333,12 +342,12 @@ def fit_shared_layer(
     return module, record
 
 
-def shared_attention(config, record: FittedLayer) -> nn.Module:
+def shared_attention(config, record: FittedLayer, device: torch.device | str = "cpu") -> nn.Module:
     """The LisaSharedAttention module of a fit record (weights from `record.state`), in eval mode."""
     modeling = import_remote("modeling_lisa_llama")
     module = modeling.LisaSharedAttention(config, record.layer, record.rank, record.align_hidden, record.align)
     module.load_state_dict(record.state)
-    return module.requires_grad_(False).eval()
+    return module.to(device).requires_grad_(False).eval()
 
 
 @torch.no_grad()
@@ -346,7 +355,7 @@ def converted_scores(module: nn.Module, x: torch.Tensor, prev_scores: torch.Tens
     """Pre-softmax scores of a (converted) layer for all calibration sequences."""
     if prev_scores is None:
         return torch.cat([full_attention_scores(module, x[i : i + batch_size], cos_sin) for i in range(0, len(x), batch_size)])
-    positions = torch.arange(x.shape[1]).unsqueeze(0)
+    positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
     parts = []
     for i in range(0, len(x), batch_size):
         xb = x[i : i + batch_size]
@@ -381,7 +390,9 @@ def fit_lisa(
         if idx in chosen:
 
             def fit_one(idx: int = idx, prev_scores: torch.Tensor | None = prev_scores) -> FittedLayer:
-                return fit_shared_layer(model, idx, attn_inputs[idx], prev_scores, matching[idx], rank, options)[1]
+                return fit_shared_layer(
+                    model.config, layers[idx].self_attn, cos_sin, idx, attn_inputs[idx], prev_scores, matching[idx], rank, options
+                )[1]
 
             if cache_dir is None:
                 record = fit_one()
@@ -398,3 +409,149 @@ def fit_lisa(
         else:
             prev_scores = None
     return fitted
+
+
+# ------------------------------------------------------------------------------------------- the pipeline unit
+PARAMETER_MARKERS = ("q_lowrank", "k_lowrank", ".align.")  # names of a shared layer's new (trainable) parameters
+REPLACED = ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")  # what a shared layer drops
+
+
+def is_lisa_parameter(name: str) -> bool:
+    return any(marker in name for marker in PARAMETER_MARKERS)
+
+
+def replace_qk(state: dict[str, torch.Tensor], record: FittedLayer) -> dict[str, torch.Tensor]:
+    """`state` (full names) with layer `record.layer`'s q/k projections replaced by its fitted LISA module."""
+    prefix = f"model.layers.{record.layer}.self_attn."
+    state = {k: v for k, v in state.items() if k.removeprefix(prefix) not in REPLACED}
+    state.update({prefix + key: value for key, value in record.state.items()})
+    return state
+
+
+def shared_qk_parameters(record: FittedLayer) -> int:
+    return sum(v.numel() for k, v in record.state.items() if is_lisa_parameter("." + k))
+
+
+@register
+class LisaMethod(Method):
+    """LISA as a pipeline unit: similarity in the forward pass, the layer choice in plan, the fits in apply."""
+
+    name = "lisa"
+
+    def __init__(self, options: LisaOptions, layers: list[int] | None = None) -> None:
+        self.options = options
+        self.fixed_layers = layers  # a candidate plan scored by the perplexity search
+        self.config = None
+        self.chosen: list[int] = []
+        self.rank = 0
+        self.search: dict | None = None
+        self.records: list[FittedLayer] = []  # fit records of the layers converted so far (weights dropped)
+        self.qk_params: list[int] = []
+        self.prev_scores: torch.Tensor | None = None  # converted scores of the layer below, on calibration inputs
+        self._previous: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.similarity: list[LayerSimilarity] = []
+
+    @classmethod
+    def from_options(cls, options) -> "LisaMethod":
+        return cls(replace(options.lisa, seed=options.seed))
+
+    def settings(self) -> dict:
+        return {k: v for k, v in asdict(self.options).items() if k not in SELECTION_ONLY}
+
+    def check_model(self, config) -> None:
+        self.config = config
+
+    def observe(self, ctx: LayerContext) -> None:
+        """Similarity of this layer's attention to the layer below's (nothing for layer 0)."""
+        x = ctx.attention_input()[:SIMILARITY_SEQUENCES]
+        previous = None
+        if ctx.index > 0:
+            if self._previous is None or self._previous[0] != ctx.index - 1:  # resumed: recompute the layer below
+                below = ctx.previous()
+                x_below = below.attention_input()[:SIMILARITY_SEQUENCES]
+                _, scores = layer_similarity(below.index, below.layer.self_attn, x_below, ctx.cos_sin(x.shape[1]), None)
+                self._previous = (below.index, scores)
+            previous = self._previous[1]
+        similarity, scores = layer_similarity(ctx.index, ctx.layer.self_attn, x, ctx.cos_sin(x.shape[1]), previous)
+        self._previous = (ctx.index, scores) if ctx.index + 1 < ctx.num_layers else None
+        if ctx.is_main and similarity is not None:
+            torch.save(similarity, self.store / f"similarity-{ctx.index}.pt")
+
+    def plan(self, planner: Planner) -> None:
+        config, options = planner.config, self.options
+        if not self.similarity:
+            self.similarity = [torch.load(self.store / f"similarity-{i}.pt", weights_only=False) for i in range(1, planner.num_layers)]
+        similarity = self.similarity
+        if self.fixed_layers is not None:
+            self.chosen = sorted(self.fixed_layers)
+        elif options.layers is not None:
+            self.chosen = select_layers(similarity, planner.num_layers, options)
+        elif options.ppl_budget is not None:
+            base = planner.selection_perplexity([])
+            limit = base * (1 + options.ppl_budget / 100)
+
+            def perplexity_of(layers: list[int]) -> float:
+                variant = LisaMethod(options, layers)
+                variant.similarity, variant.store = similarity, self.store
+                return planner.selection_perplexity([variant])
+
+            self.chosen, probes = search_layers_by_perplexity(ranked_candidates(similarity, options), perplexity_of, limit)
+            self.search = {"original_perplexity": base, "limit": limit, "probes": probes, **planner.notes}
+            console.log(f"lisa search: {len(self.chosen)} layers within +{options.ppl_budget:g}% ({len(probes)} fits)")
+        else:
+            self.chosen = select_layers(similarity, planner.num_layers, options)
+        self.rank = lowrank_rank(config, options.qk_compression) if self.chosen and options.lowrank else 0
+        self.config = config
+        self.records, self.qk_params, self.prev_scores = [], [], None
+
+    def touches(self, index: int) -> bool:
+        return index in self.chosen or index + 1 in self.chosen
+
+    def apply(self, ctx: LayerContext, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        idx = ctx.index
+        if not self.touches(idx):
+            self.prev_scores = None
+            return state
+        x = ctx.attention_input()
+        cos_sin = ctx.cos_sin(x.shape[1])
+        module = ctx.layer.self_attn
+        if idx in self.chosen:
+            matching = next(s.matching for s in self.similarity if s.layer == idx)
+            below = [layer for layer in self.chosen if layer <= idx]  # a fit depends on its anchors: the chain below
+
+            def fit() -> FittedLayer:
+                return fit_shared_layer(self.config, module, cos_sin, idx, x, self.prev_scores, matching, self.rank, self.options)[1]
+
+            record = load_or_compute(self.store / f"fit-{cache_key(below, self.settings())}.pt", fit)
+            module = shared_attention(self.config, record, ctx.device)
+            state = replace_qk(state, record)
+            self.qk_params.append(shared_qk_parameters(record))
+            self.records.append(replace(record, state={}))
+        prev = self.prev_scores if idx in self.chosen else None
+        self.prev_scores = converted_scores(module, x, prev, cos_sin, self.options.batch_size) if idx + 1 in self.chosen else None
+        return state
+
+    def config_entries(self) -> dict:
+        """The planned shared layers (known once plan has run, before any fit)."""
+        align = "dense" if self.options.align == "dense" else "sparse"
+        hidden = self.options.align_hidden if align == "dense" else 0
+        return {"lisa_layers": {str(layer): {"rank": self.rank, "align": align, "align_hidden": hidden} for layer in self.chosen}}
+
+    def resume_state(self) -> dict:
+        return {"records": self.records, "qk_params": self.qk_params, "prev_scores": self.prev_scores}
+
+    def restore(self, state: dict) -> None:
+        self.records, self.qk_params, self.prev_scores = state["records"], state["qk_params"], state["prev_scores"]
+
+    def report(self) -> dict:
+        config = self.config
+        dense_qk = config.hidden_size * config.head_dim * (config.num_attention_heads + config.num_key_value_heads)
+        return {
+            "layers": self.chosen,
+            "perplexity_search": self.search,
+            "rank": self.records[0].rank if self.records else None,
+            "options": asdict(self.options),
+            "similarity": [s.to_dict() for s in self.similarity],
+            "fitted": [{k: v for k, v in asdict(r).items() if k != "state"} for r in self.records],
+            "qk_compression_measured": (dense_qk / max(self.qk_params)) if self.qk_params else None,
+        }

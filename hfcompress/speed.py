@@ -42,10 +42,11 @@ def _prefill_seconds(model: nn.Module, ids: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
-def hardware_description() -> str:
-    """What produced the speed figures, in words for the card."""
-    if torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name(0)} (CUDA)"
+def hardware_description(device: torch.device | None = None) -> str:
+    """What ran the conversion or produced the speed figures (the CUDA device when there is one), in words."""
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (CUDA)"
     model_name = platform.processor() or platform.machine()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
@@ -119,14 +120,12 @@ def compare_speed(
 
 def measure_speed(
     original: nn.Module, converted: nn.Module, ids: torch.Tensor, prompt_tokens: int = 512, new_tokens: int = 32,
-    repeats: int = 3, gpu_dtype: torch.dtype = torch.bfloat16,
+    repeats: int = 3, gpu_dtype: torch.dtype = torch.bfloat16, device: torch.device | None = None,
 ) -> dict:
-    """Original vs converted in this process on the best device here; the record `convert` keeps and the card shows.
-
-    On CUDA both run in `gpu_dtype` (the saved dtype); on CPU in float32, the fast CPU path (no bf16 units here).
-    """
-    cuda = torch.cuda.is_available()
-    device, dtype = (torch.device("cuda"), gpu_dtype) if cuda else (torch.device("cpu"), torch.float32)
+    """Original vs converted in this process on `device` (default: the best here); the record `convert` keeps and
+    the card shows. On CUDA both run in `gpu_dtype` (the saved dtype); on CPU in float32, the fast CPU path."""
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = gpu_dtype if device.type == "cuda" else torch.float32
     models = {"original": original, "converted": converted}
     working_dtypes = {name: next(model.parameters()).dtype for name, model in models.items()}
     prompt = ids[:prompt_tokens].unsqueeze(0).to(device)
@@ -138,7 +137,7 @@ def measure_speed(
             cast_parameters(model.to("cpu"), working_dtypes[name])
     orig, conv = measured["original"], measured["converted"]
     return {
-        "hardware": hardware_description(),
+        "hardware": hardware_description(device),
         "device": device.type,
         "dtype": str(dtype).removeprefix("torch."),
         "repeats": repeats,

@@ -5,6 +5,7 @@ written directory in a fresh process with trust_remote_code=True whose logits mu
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -88,11 +89,62 @@ def reload_in_fresh_process(directory: Path, ids: torch.Tensor, timeout: float =
     return result["class"], result["logits"]
 
 
-def compare_reload(model: nn.Module, directory: Path, ids: torch.Tensor) -> dict:
-    with torch.no_grad():
-        expected = model(ids, use_cache=False).logits.float()
+_STRUCTURE_SCRIPT = r"""
+import json, sys, torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM
+directory = sys.argv[1]
+config = AutoConfig.from_pretrained(directory, trust_remote_code=True)
+with torch.device("meta"):
+    model = AutoModelForCausalLM.from_config(config, trust_remote_code=True)
+expected = {k: list(v.shape) for k, v in model.state_dict().items()}
+if config.tie_word_embeddings:
+    expected.pop("lm_head.weight", None)
+index = f"{directory}/model.safetensors.index.json"
+try:
+    files = sorted(set(json.load(open(index))["weight_map"].values()))
+except FileNotFoundError:
+    files = ["model.safetensors"]
+found = {}
+for file in files:
+    with safe_open(f"{directory}/{file}", "pt") as handle:
+        found.update({k: handle.get_slice(k).get_shape() for k in handle.keys()})
+bad = sorted(k for k in set(expected) | set(found) if expected.get(k) != found.get(k))
+print(json.dumps({"class": type(model).__name__, "mismatched": bad}))
+"""
+
+
+def check_structure(directory: Path) -> dict:
+    """In a fresh process: the config and remote code build the model (meta device, no weights read) and every
+    tensor it expects is in the shards with its shape. Used when a float32 reload would not fit in memory."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(directory.parent / f".{directory.name}.modules"))
+    proc = subprocess.run([sys.executable, "-c", _STRUCTURE_SCRIPT, str(directory)], capture_output=True, text=True, env=env, timeout=600)
+    shutil.rmtree(env["HF_MODULES_CACHE"], ignore_errors=True)
+    if proc.returncode != 0:
+        last = proc.stderr.strip().splitlines()[-1:] or ["no output"]
+        raise HfcompressError(f"The written model does not load with trust_remote_code=True: {last[0]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if result["mismatched"]:
+        raise HfcompressError(f"Internal error: the written shards do not match the model's layout ({result['mismatched'][:3]}).")
+    return {"mode": "structure (model too large for a float32 reload)", "class": result["class"], "max_abs_logit_diff": None}
+
+
+RELOAD_MEMORY_FRACTION = 0.4  # the fresh-process reload (float32, whole model) runs only if it needs less of the free RAM
+MAX_RELOAD_DIFF = 1e-4
+
+
+def verify_written(directory: Path, ids: torch.Tensor, expected: torch.Tensor, float32_bytes: int) -> dict:
+    """Load the written output as a user would, in a fresh process, and require the logits the conversion computed
+    (within 1e-4); a model too large for a float32 reload here is checked for layout instead."""
+    from .wholemodel import available_memory
+
+    if float32_bytes >= RELOAD_MEMORY_FRACTION * available_memory(torch.device("cpu")):
+        return check_structure(directory)
     cls, logits = reload_in_fresh_process(directory, ids)
-    return {"class": cls, "max_abs_logit_diff": (logits.float() - expected).abs().max().item()}
+    diff = (logits.float() - expected.float()).abs().max().item()
+    if diff > MAX_RELOAD_DIFF:
+        raise HfcompressError(f"The written model reloads with different logits (max diff {diff:.2e}); nothing was written.")
+    return {"mode": "logits", "class": cls, "max_abs_logit_diff": diff}
 
 
 def read_json(path: Path) -> dict:

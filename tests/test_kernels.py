@@ -278,38 +278,209 @@ def interp_child(request, tmp_path_factory):
 # ------------------------------------------------------------------------------------------------
 
 
-def test_auto_backend_on_cpu_uses_reference():
-    kt, ref = _load_copy("_lisa_kernels_plain")
-    p = _layer(1, 4, 2, 5, 9, 16, 2, 3, F32)
-    args = (p["s_prev"], p["mix"], p["bias"], p["w1"], p["b1"], p["w2"], p["qlr"], p["klr"], p["v"])
-    out, scores = kt.lisa_prefill(*args, return_scores=True)  # CPU tensors -> torch path (full S)
-    ref_out, ref_scores = ref.lisa_prefill_reference(*args, return_scores=True)
-    assert torch.equal(out, ref_out) and torch.equal(scores, ref_scores)
-    dec_args = (p["s_prev"][:, :, -1], *args[1:6], p["qlr"][:, :, -1], p["klr"], p["v"])
-    out, scores = kt.lisa_decode(*dec_args)
-    ref_out, ref_scores = ref.lisa_decode_reference(*dec_args)
-    assert torch.equal(out, ref_out) and torch.equal(scores, ref_scores)
-    x, b_w, a_w = torch.randn(3, 8), torch.randn(4, 8), torch.randn(6, 4)
-    assert torch.equal(kt.lowrank_linear(x, b_w, a_w), ref.lowrank_linear_reference(x, b_w, a_w))
-    assert not kt.triton_available(x)
-    with pytest.raises(ValueError):
-        kt.lisa_decode(*[None] * 9, backend="bogus")
+class _TritonCalled(Exception):
+    """Raised by the stubbed Triton entry points: the dispatcher chose the Triton path."""
+
+
+class _FakeCuda(torch.Tensor):
+    """A CPU tensor that claims to live on a GPU: the device test is all the dispatcher reads to pick Triton."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+def _fake_cuda(t):
+    return None if t is None else t.as_subclass(_FakeCuda)
+
+
+def _plain(t):
+    return t.as_subclass(torch.Tensor)
+
+
+def _spy_dispatch(monkeypatch, kt) -> list[str]:
+    """Replaces the three Triton entry points of `kt` by stubs raising _TritonCalled and wraps the three torch
+    references it dispatches to; returns the list of the names called, in order."""
+    calls: list[str] = []
+
+    def triton_stub(name):
+        def stub(*args, **kwargs):
+            calls.append(name)
+            raise _TritonCalled(name)
+
+        return stub
+
+    def reference_spy(name):
+        real = getattr(kt, name)
+
+        def spy(*args, **kwargs):
+            calls.append(name)
+            return real(*args, **kwargs)
+
+        return spy
+
+    for name in ("lisa_decode_triton", "lisa_prefill_triton", "lowrank_linear_triton"):
+        monkeypatch.setattr(kt, name, triton_stub(name))
+    for name in ("lisa_decode_reference", "lisa_prefill_reference", "lowrank_linear_reference"):
+        monkeypatch.setattr(kt, name, reference_spy(name))
+    return calls
+
+
+def _naive_lisa(s_prev, mix, bias, w1, b1, w2, qlr, klr, v, keep=None):
+    """The shared layer written out entry by entry in float64, independently of kernels/ (module docstring of
+    lisa_attention_reference.py): S[b,:,i,j] from the H previous scores at (i, j), then a causal softmax over the
+    visible keys (query i at absolute position Tk - Tq + i, `keep` (B,Tk) bool) and the GQA-weighted sum of V.
+    Returns (out (B,H,Tq,D), S (B,H,Tq,Tk))."""
+    d = lambda t: None if t is None else _plain(t).double()  # noqa: E731
+    s_prev, mix, bias, w1, b1, w2, qlr, klr, v = map(d, (s_prev, mix, bias, w1, b1, w2, qlr, klr, v))
+    batch, heads, q_len, kv_len = s_prev.shape
+    group = heads // v.shape[1]
+    scores = torch.zeros(batch, heads, q_len, kv_len, dtype=torch.float64)
+    out = torch.zeros(batch, heads, q_len, v.shape[-1], dtype=torch.float64)
+    for b in range(batch):
+        for i in range(q_len):
+            for j in range(kv_len):
+                col = s_prev[b, :, i, j]
+                s = mix @ col
+                if bias is not None:
+                    s = s + bias
+                if w1 is not None:
+                    x = w1 @ col + b1
+                    gelu = 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+                    s = s + w2 @ gelu
+                if qlr is not None:
+                    s = s + (qlr[b, :, i] * klr[b, :, j]).sum(-1) / math.sqrt(qlr.shape[-1])
+                scores[b, :, i, j] = s
+            visible = [j for j in range(kv_len) if j <= kv_len - q_len + i and (keep is None or keep[b, j])]
+            for h in range(heads):
+                row = scores[b, h, i, visible]
+                weights = torch.exp(row - row.max())
+                weights = weights / weights.sum()
+                out[b, h, i] = sum(w * v[b, h // group, j] for w, j in zip(weights, visible))
+    return out, scores
+
+
+def _naive_close(actual, expected, what):
+    torch.testing.assert_close(_plain(actual).double(), expected, atol=1e-5, rtol=1e-5, msg=lambda m: f"{what}: {m}")
+
+
+def _dispatch_inputs(fake_cuda=False, dtype=F32):
+    """One GQA layer with FFN, low-rank term and a padding mask (batch row 0: 3 keys masked), Tq=5 < Tk=9."""
+    p = _layer(2, 4, 2, 5, 9, 16, 2, 3, dtype)
+    keep = torch.ones(2, 9, dtype=torch.bool)
+    keep[0, :3] = False
+    mask = _padding_mask(2, 5, 9, dtype)
+    if fake_cuda:
+        p = {k: _fake_cuda(t) for k, t in p.items()}
+    return p, keep, mask
+
+
+def test_auto_backend_on_cpu_tensors_runs_the_torch_reference(monkeypatch):
+    """backend="auto" with CPU tensors (Triton importable here): the torch reference runs, never a Triton entry
+    point, and its numbers are the layer's math (checked against a plain loop, not against the reference)."""
+    kt, _ = _load_copy("_lisa_kernels_plain")
+    calls = _spy_dispatch(monkeypatch, kt)
+    p, keep, mask = _dispatch_inputs()
+    args = (p["s_prev"], p["mix"], p["bias"], p["w1"], p["b1"], p["w2"], p["qlr"], p["klr"], p["v"], mask)
+    expect_out, expect_scores = _naive_lisa(*args[:9], keep=keep)
+
+    out, scores = kt.lisa_prefill(*args, return_scores=True)
+    assert calls == ["lisa_prefill_reference"]
+    assert out.shape == (2, 4, 5, 16) and scores.shape == (2, 4, 5, 9)
+    _naive_close(out, expect_out, "prefill out")
+    _naive_close(scores, expect_scores, "prefill scores")
+
+    # decode, in the model's layout ((B,H,1,Tk) scores, (B,H,1,r) query): the last query sees every key
+    calls.clear()
+    dec_out, dec_expect = _naive_lisa(
+        p["s_prev"][:, :, -1:], *args[1:6], p["qlr"][:, :, -1:], p["klr"], p["v"], keep=keep
+    )  # fmt: skip
+    out, scores = kt.lisa_decode(p["s_prev"][:, :, -1:], *args[1:6], p["qlr"][:, :, -1:], p["klr"], p["v"], keep.long())
+    assert calls == ["lisa_decode_reference"]
+    _naive_close(out, dec_out[:, :, 0], "decode out")
+    _naive_close(scores, dec_expect[:, :, 0], "decode scores")
+    calls.clear()
+    _, no_scores = kt.lisa_decode(p["s_prev"][:, :, -1], *args[1:6], p["qlr"][:, :, -1], p["klr"], p["v"],
+                                  return_scores=False)  # fmt: skip
+    assert no_scores is None and calls == ["lisa_decode_reference"]
+
+    calls.clear()
+    x, b_w, a_w, bias = torch.randn(3, 8), torch.randn(4, 8), torch.randn(6, 4), torch.randn(6)
+    y = kt.lowrank_linear(x, b_w, a_w, bias)
+    assert calls == ["lowrank_linear_reference"]
+    torch.testing.assert_close(y, ((x.double() @ b_w.double().T) @ a_w.double().T + bias.double()).float())
+    assert kt.HAS_TRITON and kt.triton_available() and not kt.triton_available(x)
+
+
+def test_backend_choice_routes_to_triton_only_where_it_can_run(monkeypatch):
+    """The positive side of the dispatch rule (with stubbed Triton entry points): tensors on a GPU in fp32/fp16/bf16
+    or backend="triton" reach Triton; fp64 GPU tensors, more than 16 low-rank rows and backend="torch" do not."""
+    kt, _ = _load_copy("_lisa_kernels_plain")
+    if not kt.HAS_TRITON:
+        pytest.skip("triton is not installed")
+    calls = _spy_dispatch(monkeypatch, kt)
+    p, _, mask = _dispatch_inputs(fake_cuda=True)
+    args = (p["s_prev"], p["mix"], p["bias"], p["w1"], p["b1"], p["w2"], p["qlr"], p["klr"], p["v"], mask)
+    dec = (p["s_prev"][:, :, -1], *args[1:6], p["qlr"][:, :, -1], p["klr"], p["v"])
+    with pytest.raises(_TritonCalled):
+        kt.lisa_prefill(*args)
+    with pytest.raises(_TritonCalled):
+        kt.lisa_decode(*dec)
+    with pytest.raises(_TritonCalled):
+        kt.lowrank_linear(_fake_cuda(torch.randn(16, 8)), _fake_cuda(torch.randn(4, 8)), _fake_cuda(torch.randn(6, 4)))
+    assert calls == ["lisa_prefill_triton", "lisa_decode_triton", "lowrank_linear_triton"]
+
+    calls.clear()
+    kt.lisa_prefill(*args, backend="torch")
+    kt.lisa_decode(*dec, backend="torch")
+    kt.lowrank_linear(_fake_cuda(torch.randn(17, 8)), _fake_cuda(torch.randn(4, 8)), _fake_cuda(torch.randn(6, 4)))
+    p64, _, _ = _dispatch_inputs(fake_cuda=True, dtype=torch.float64)
+    kt.lisa_decode(p64["s_prev"][:, :, -1], p64["mix"], None, None, None, None, None, None, p64["v"])
+    assert calls == [
+        "lisa_prefill_reference", "lisa_decode_reference", "lowrank_linear_reference", "lisa_decode_reference"
+    ]  # fmt: skip
+
+    calls.clear()
+    cpu = _dispatch_inputs()[0]
+    with pytest.raises(_TritonCalled):  # forced: the caller asked for Triton (e.g. under TRITON_INTERPRET=1)
+        kt.lisa_decode(cpu["s_prev"][:, :, -1], cpu["mix"], *[None] * 6, cpu["v"], backend="triton")
+    assert calls == ["lisa_decode_triton"]
+    with pytest.raises(ValueError, match="backend must be"):
+        kt.lisa_decode(*dec, backend="bogus")
 
 
 def test_without_triton_falls_back(monkeypatch):
+    """With `triton` not importable the module still imports; every call, even with GPU tensors, runs the torch
+    reference (right numbers), and backend="triton" is refused before any launch."""
     monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
     monkeypatch.setitem(sys.modules, "triton.language", None)
-    kt, ref = _load_copy("_lisa_kernels_notriton")
-    assert not kt.HAS_TRITON and not kt.triton_available()
-    p = _layer(1, 4, 2, 1, 9, 16, 2, 0, F32)
-    args = (p["s_prev"][:, :, 0], p["mix"], p["bias"], None, None, None, p["qlr"][:, :, 0], p["klr"], p["v"])
-    out, scores = kt.lisa_decode(*args)
-    ref_out, ref_scores = ref.lisa_decode_reference(*args)
-    assert torch.equal(out, ref_out) and torch.equal(scores, ref_scores)
+    kt, _ = _load_copy("_lisa_kernels_notriton")
+    assert not kt.HAS_TRITON and not kt.triton_available() and not kt.triton_available(torch.zeros(1))
+    calls = _spy_dispatch(monkeypatch, kt)
+    p, keep, mask = _dispatch_inputs(fake_cuda=True)
+    dec = (p["s_prev"][:, :, -1], p["mix"], p["bias"], None, None, None, p["qlr"][:, :, -1], p["klr"], p["v"])
+    dec = (*dec, mask[:, :, -1:])
+    out, scores = kt.lisa_decode(*dec)
+    assert calls == ["lisa_decode_reference"]
+    expect_out, expect_scores = _naive_lisa(
+        p["s_prev"][:, :, -1:], *dec[1:6], p["qlr"][:, :, -1:], *dec[7:9], keep=keep
+    )  # fmt: skip
+    _naive_close(out, expect_out[:, :, 0], "decode out")
+    _naive_close(scores, expect_scores[:, :, 0], "decode scores")
+    calls.clear()
     x, b_w, a_w = torch.randn(2, 8), torch.randn(4, 8), torch.randn(6, 4)
-    assert torch.equal(kt.lowrank_linear(x, b_w, a_w), ref.lowrank_linear_reference(x, b_w, a_w))
-    with pytest.raises(RuntimeError):
-        kt.lisa_decode(*args, backend="triton")
+    y = kt.lowrank_linear(_fake_cuda(x), _fake_cuda(b_w), _fake_cuda(a_w))
+    assert calls == ["lowrank_linear_reference"]
+    torch.testing.assert_close(_plain(y), (x.double() @ b_w.double().T @ a_w.double().T).float())
+    calls.clear()
+    for call in (
+        lambda: kt.lisa_decode(*dec, backend="triton"),
+        lambda: kt.lisa_prefill(p["s_prev"], *dec[1:6], p["qlr"], p["klr"], p["v"], backend="triton"),
+        lambda: kt.lowrank_linear(x, b_w, a_w, backend="triton"),
+    ):
+        with pytest.raises(RuntimeError, match="triton is not installed"):
+            call()
+    assert calls == []
 
 
 def test_reference_decode_equals_prefill_last_row():

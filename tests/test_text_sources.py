@@ -1,13 +1,16 @@
 """Calibration/evaluation text sources: wikitext-2 through `datasets` from a real local Hub, the "auto" fallback to
-the built-in text when offline or unreachable (fast, with a notice), and one-sentence errors for bad values."""
+the built-in text when offline or unreachable (no request offline, one bounded probe online, with a notice), and
+one-sentence errors for bad values."""
 
+import inspect
 import io
 import json
 import os
 import socket
 import subprocess
 import sys
-import time
+import threading
+from types import SimpleNamespace
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -135,10 +138,49 @@ def test_convert_and_eval_use_wikitext2_when_the_hub_answers(wikitext_hub, hub_e
     )  # same test-split tokens as convert scored
 
 
-def test_auto_is_the_builtin_text_when_offline(log):
-    started = time.perf_counter()
+def _timeouts(seconds: float) -> dict:
+    """The per-request timeouts an HTTP client gets for `timeout=seconds` (httpx: connect, read, write, pool)."""
+    return dict.fromkeys(("connect", "read", "write", "pool"), seconds)
+
+
+@pytest.fixture
+def hub_traffic(monkeypatch) -> SimpleNamespace:
+    """Records what is asked of the Hub in this process: `probes`, one (endpoint, repo, timeout) per
+    `HfApi.dataset_info` call, and `requests`, one (method, url, timeouts) per HTTP request huggingface_hub's client
+    actually sends (retries and redirects included). Both still go through to the real implementation."""
+    import httpx2  # huggingface_hub's HTTP client
+    from huggingface_hub import HfApi
+
+    traffic = SimpleNamespace(probes=[], requests=[])
+    real_info, real_send = HfApi.dataset_info, httpx2.HTTPTransport.handle_request
+
+    def dataset_info(self, *args, **kwargs):
+        bound = inspect.signature(real_info).bind(self, *args, **kwargs).arguments
+        traffic.probes.append((self.endpoint, bound["repo_id"], bound.get("timeout")))
+        return real_info(self, *args, **kwargs)
+
+    def handle_request(self, request):
+        traffic.requests.append((request.method, str(request.url), request.extensions.get("timeout")))
+        return real_send(self, request)
+
+    monkeypatch.setattr(HfApi, "dataset_info", dataset_info)
+    monkeypatch.setattr(httpx2.HTTPTransport, "handle_request", handle_request)
+    return traffic
+
+
+def _forbid_wikitext_load(monkeypatch) -> None:
+    def load(*args):
+        raise AssertionError(f"wikitext-2 was loaded {args}: 'auto' must not try it here")
+
+    monkeypatch.setattr(text_module, "_load_wikitext", load)
+
+
+def test_auto_is_the_builtin_text_when_offline(log, hub_traffic, monkeypatch):
+    """With HF_HUB_OFFLINE "auto" takes the built-in text without asking the Hub at all (no probe, no HTTP request,
+    no datasets load), so an offline machine never waits on the network."""
+    _forbid_wikitext_load(monkeypatch)  # not even a cached copy
     text = load_text("auto", "calibration")  # the autouse fixture of conftest.py set HF_HUB_OFFLINE
-    assert time.perf_counter() - started < 2.0
+    assert hub_traffic.probes == [] and hub_traffic.requests == []
     assert (text.name, text.held_out) == (BUILTIN_TEXT_NAME, True)
     assert log.getvalue().count("\n") == 1
     assert f"calibration text: {BUILTIN_TEXT_NAME}, first 75% (auto: HF_HUB_OFFLINE is set)" in log.getvalue()
@@ -149,32 +191,53 @@ def _online(monkeypatch, endpoint: str) -> None:
 
     monkeypatch.setattr(c, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(c, "ENDPOINT", endpoint)
+    # no user-agent telemetry: huggingface_hub would fetch its agent registry from the same endpoint once a process
+    monkeypatch.setattr(c, "HF_HUB_DISABLE_TELEMETRY", True)
 
 
-def test_auto_falls_back_fast_when_the_hub_is_unreachable(monkeypatch, log):
-    _online(monkeypatch, "http://127.0.0.1:9")  # nothing listens on the discard port: connection refused
-    started = time.perf_counter()
+def _probe_url(endpoint: str) -> str:
+    return f"{endpoint}/api/datasets/{WIKITEXT_REPO}"
+
+
+def test_auto_falls_back_fast_when_the_hub_is_unreachable(monkeypatch, log, hub_traffic):
+    """Connection refused: calibration and evaluation together send ONE request, with the probe timeout (no retries,
+    no second probe for evaluation, no datasets load), then both fall back to the built-in text."""
+    endpoint = "http://127.0.0.1:9"  # nothing listens on the discard port: connection refused
+    _online(monkeypatch, endpoint)
+    _forbid_wikitext_load(monkeypatch)
     calibration = load_text("auto", "calibration")
     evaluation = load_text("auto", "evaluation", fallback=calibration)
-    assert time.perf_counter() - started < 3.0
+    timeout = text_module.PROBE_TIMEOUT_S
+    assert hub_traffic.probes == [(endpoint, WIKITEXT_REPO, timeout)]
+    assert hub_traffic.requests == [("GET", _probe_url(endpoint), _timeouts(timeout))]
     assert evaluation is calibration and calibration.name == BUILTIN_TEXT_NAME  # evaluation: its held-out part
     lines = log.getvalue().splitlines()
     assert len(lines) == 2 and all("the Hub at http://127.0.0.1:9 is unreachable (ConnectError)" in line for line in lines)
     assert f"evaluation text: {BUILTIN_TEXT_NAME}, held-out last 25% (auto:" in lines[1]
 
 
-def test_auto_is_bounded_when_the_hub_never_answers(monkeypatch, log):
-    """A server that accepts connections and never replies (a dead proxy): the probe's timeout ends the wait."""
-    monkeypatch.setattr(text_module, "PROBE_TIMEOUT_S", 0.5)
+def test_auto_is_bounded_when_the_hub_never_answers(monkeypatch, log, hub_traffic):
+    """A server that accepts connections and never replies (a dead proxy): the one request carries the configured
+    PROBE_TIMEOUT_S, the wait ends in a ReadTimeout (the timeout, not an answer or a reset) and "auto" falls back."""
+    monkeypatch.setattr(text_module, "PROBE_TIMEOUT_S", 0.5)  # not the default: the configured value is what is sent
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)  # the kernel completes the handshake; nobody ever reads or answers
-        _online(monkeypatch, f"http://127.0.0.1:{silent.getsockname()[1]}")
-        started = time.perf_counter()
-        text = load_text("auto", "evaluation")
-        elapsed = time.perf_counter() - started
-    assert text.name == BUILTIN_TEXT_NAME and 0.4 < elapsed < 2.5
-    assert "is unreachable (ReadTimeout)" in log.getvalue()
+        endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        _online(monkeypatch, endpoint)
+        _forbid_wikitext_load(monkeypatch)
+        # A safety net, not a timing check: were no timeout applied, the read would block forever; closing the
+        # listener then resets the connection (ReadError, not ReadTimeout) and the test fails instead of hanging.
+        watchdog = threading.Timer(120, silent.close)
+        watchdog.start()
+        try:
+            text = load_text("auto", "evaluation")
+        finally:
+            watchdog.cancel()
+    assert hub_traffic.probes == [(endpoint, WIKITEXT_REPO, 0.5)]
+    assert hub_traffic.requests == [("GET", _probe_url(endpoint), _timeouts(0.5))]
+    assert text.name == BUILTIN_TEXT_NAME
+    assert f"the Hub at {endpoint} is unreachable (ReadTimeout)" in log.getvalue()
 
 
 @pytest.mark.parametrize(

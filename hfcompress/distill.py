@@ -1,5 +1,5 @@
-"""End-to-end distillation after the per-layer fits: the converted model learns to match the original model's
-next-token distributions (KL) on calibration sequences, training only a chosen set of parameters.
+"""Finishers: end-to-end distillation after the streamed conversion. The whole converted model learns to match the
+original model's next-token distributions (KL) on calibration sequences, training only a chosen set of parameters.
 
 - LISA tuning: all shared layers' new parameters (Align, low-rank Q/K) jointly, so each layer is trained for
   its effect on the output instead of on its own attention output alone.
@@ -13,10 +13,11 @@ import torch
 from torch import nn
 
 from .errors import HfcompressError
+from .lisa import is_lisa_parameter
+from .methods import Finisher, register
 from .progress import progress_bar
 
 HEAL_TARGETS = ["proj_in", "proj_out"]  # the two factors of every FascLinear
-LISA_TRAINABLE = ("q_lowrank", "k_lowrank", ".align.")
 
 
 def distill(
@@ -32,12 +33,13 @@ def distill(
 ) -> dict:
     """AdamW on `parameters` minimising KL(teacher || student) per token; returns a record of the run."""
     start = time.perf_counter()
+    device = next(student.parameters()).device
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(parameters, lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, steps))
     losses = []
     for _ in progress_bar(range(steps), label):
-        ids = sequences[torch.randint(len(sequences), (batch_size,), generator=generator)]
+        ids = sequences[torch.randint(len(sequences), (batch_size,), generator=generator)].to(device)
         with torch.no_grad():
             target = torch.log_softmax(teacher(ids, use_cache=False).logits.float(), dim=-1)
         logits = student(input_ids=ids, use_cache=False).logits.float()
@@ -67,7 +69,7 @@ def tune_lisa_end_to_end(
 ) -> dict:
     """Jointly train every shared layer's Align and low-rank Q/K against the original's output distribution."""
     converted.requires_grad_(False)
-    parameters = [p for name, p in converted.named_parameters() if any(t in name for t in LISA_TRAINABLE)]
+    parameters = [p for name, p in converted.named_parameters() if is_lisa_parameter(name)]
     if not parameters:
         raise HfcompressError("--lisa-tune-steps needs shared layers: set --share-ratio above 0 or --lisa-layers.")
     for p in parameters:
@@ -95,3 +97,33 @@ def heal_with_lora(
     record = distill(peft_model, original, sequences, parameters, steps, lr, batch_size, seed, "heal: LoRA distillation")
     record["lora_rank"] = rank
     return peft_model.merge_and_unload().eval().requires_grad_(False), record
+
+
+@register
+class LisaTuning(Finisher):
+    name = "lisa_tuning"
+
+    def __init__(self, steps: int, seed: int) -> None:
+        self.steps, self.seed = steps, seed
+
+    @classmethod
+    def from_options(cls, options) -> "LisaTuning | None":
+        return cls(options.distill.lisa_tune_steps, options.seed) if options.distill.lisa_tune_steps else None
+
+    def finish(self, student: nn.Module, teacher: nn.Module, sequences: torch.Tensor) -> tuple[nn.Module, dict]:
+        return student, tune_lisa_end_to_end(student, teacher, sequences, self.steps, seed=self.seed)
+
+
+@register
+class FascHealing(Finisher):
+    name = "fasc_healing"
+
+    def __init__(self, steps: int, seed: int) -> None:
+        self.steps, self.seed = steps, seed
+
+    @classmethod
+    def from_options(cls, options) -> "FascHealing | None":
+        return cls(options.distill.heal_steps, options.seed) if options.distill.heal_steps else None
+
+    def finish(self, student: nn.Module, teacher: nn.Module, sequences: torch.Tensor) -> tuple[nn.Module, dict]:
+        return heal_with_lora(student, teacher, sequences, self.steps, seed=self.seed)

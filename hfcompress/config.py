@@ -1,0 +1,204 @@
+"""The conversion's configuration, validated as a whole before any network or model work (as mergekit validates
+its merge config): every range, every enum and every combination of options. One name has one meaning:
+`max_ppl_increase` is the quality gate, `lisa.ppl_budget` the LISA layer search's budget.
+
+Checks that need the source's shapes (layer numbers, the low-rank Q/K rank) run in `check_against_model`, right
+after the source's config.json is read and before calibration.
+"""
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import HfcompressError
+from .fasc import FascOptions
+from .lisa import LisaOptions
+from .text import AUTO, check_text_option
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
+_SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("HFCOMPRESS_CACHE", "~/.cache/hfcompress")).expanduser()
+
+
+def parse_size(value: str, option: str = "--max-shard-size") -> int:
+    """'2GB', '500MB', '200KB', '1.5GiB' -> bytes (decimal units as transformers' save_pretrained reads them)."""
+    match = _SIZE_PATTERN.match(str(value))
+    if not match:
+        raise HfcompressError(f"{option} '{value}' is not a size: write a number and a unit, e.g. 2GB, 500MB or 200KB.")
+    size = int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
+    if size < 1024:
+        raise HfcompressError(f"{option} '{value}' is smaller than 1KB: give a size of at least 1KB.")
+    return size
+
+
+@dataclass
+class DistillOptions:
+    """End-to-end KL distillation from the original model, run as finishers on the whole converted model."""
+
+    lisa_tune_steps: int = 0  # jointly train every shared layer's Align and low-rank Q/K (0 = off)
+    heal_steps: int = 0  # LoRA (peft) on the FASC factors, merged before saving (0 = off)
+
+
+@dataclass
+class ConvertOptions:
+    source: str
+    out: Path
+    push_to: str | None = None
+    private: bool = False
+    revision: str | None = None
+    overwrite: bool = False
+    force: bool = False
+    trust_remote_code: bool = False  # accept a source that declares custom code (its code is still never run)
+    max_ppl_increase: float = 10.0  # percent: the quality gate
+    calib_text: str = AUTO  # FILE path, "builtin", "wikitext-2" or "auto" (text.py)
+    eval_text: str = AUTO
+    calib_sequences: int = 16
+    seq_len: int = 256
+    eval_tokens: int = 4096
+    eval_context: int = 512
+    cache_dir: Path = field(default_factory=default_cache_dir)
+    seed: int = 0
+    probe: bool | None = None  # factual-recall probe; None = when the whole model fits in memory
+    speed: bool | None = None  # prefill/decode speed side by side; None = when both models fit
+    dtype: str = "auto"  # saved weights: auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto (first CUDA device, else CPU) | cpu | cuda | cuda:N
+    max_shard_size: str = "2GB"
+    lisa: LisaOptions = field(default_factory=LisaOptions)
+    fasc: FascOptions = field(default_factory=FascOptions)
+    distill: DistillOptions = field(default_factory=DistillOptions)
+
+    @property
+    def max_shard_bytes(self) -> int:
+        return parse_size(self.max_shard_size)
+
+    def validate(self) -> "ConvertOptions":
+        """Raise one HfcompressError naming the first bad value or combination; cheap, touches no network."""
+        from .fasc import METHODS, TARGETABLE
+        from .lisa import ALIGN_KINDS
+
+        lisa, fasc, distill = self.lisa, self.fasc, self.distill
+        if self.dtype not in DTYPES:
+            raise HfcompressError(f"Unknown --dtype '{self.dtype}': choose one of {', '.join(DTYPES)}.")
+        check_device(self.device)
+        parse_size(self.max_shard_size)
+        _at_least(self.calib_sequences, 1, "--calib-sequences")
+        _at_least(self.seq_len, 16, "--seq-len")
+        _at_least(self.eval_tokens, 2, "--eval-tokens")
+        _at_least(self.eval_context, 16, "--eval-context")
+        if not self.max_ppl_increase >= 0:
+            raise HfcompressError(f"--max-ppl-increase must be a percentage >= 0, got {self.max_ppl_increase}.")
+        check_text_option(self.calib_text, "calibration")
+        check_text_option(self.eval_text, "evaluation")
+        if self.push_to is not None:
+            from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+            try:
+                validate_repo_id(self.push_to)
+                if "/" not in self.push_to:
+                    raise HFValidationError("no namespace")
+            except HFValidationError:
+                raise HfcompressError(f"--push-to '{self.push_to}' is not a Hub repo id: write it as user/name.") from None
+        if self.private and not self.push_to:
+            raise HfcompressError("--private only applies to a push: add --push-to user/name, or drop --private.")
+
+        if lisa.share_ratio is not None and not 0.0 <= lisa.share_ratio < 1.0:
+            raise HfcompressError(f"--share-ratio must be in [0, 1), got {lisa.share_ratio}.")
+        given = {"--lisa-layers": lisa.layers, "--lisa-ppl-budget": lisa.ppl_budget, "--share-ratio": lisa.share_ratio}
+        chosen_by = [name for name, value in given.items() if value is not None]
+        if len(chosen_by) > 1:
+            raise HfcompressError(f"{' and '.join(chosen_by)} both choose the shared layers: give only one of them.")
+        if lisa.layers is not None and any(layer < 1 for layer in lisa.layers):
+            raise HfcompressError(f"--lisa-layers {lisa.layers}: layer 0 has no layer below it to share with; give layers >= 1.")
+        if lisa.ppl_budget is not None and not lisa.ppl_budget > 0:
+            raise HfcompressError(f"--lisa-ppl-budget must be a percentage > 0, got {lisa.ppl_budget}.")
+        if lisa.align not in ALIGN_KINDS:
+            raise HfcompressError(f"Unknown --lisa-align '{lisa.align}': choose one of {', '.join(ALIGN_KINDS)}.")
+        _at_least(lisa.protect_first, 0, "--protect-first")
+        _at_least(lisa.align_hidden, 0, "--align-hidden")
+        _at_least(lisa.steps, 0, "--lisa-steps")
+        if not lisa.qk_compression > 1.0:
+            raise HfcompressError(f"--qk-compression must be > 1 (how many times smaller Q/K get), got {lisa.qk_compression}.")
+
+        if fasc.method not in METHODS:
+            raise HfcompressError(f"Unknown --fasc-method '{fasc.method}': choose one of {', '.join(METHODS)}.")
+        if not 0.0 < fasc.budget <= 1.0:
+            raise HfcompressError(f"--fasc-budget must be in (0, 1] (1.0 = off), got {fasc.budget}.")
+        unknown = [t for t in fasc.targets if t not in TARGETABLE]
+        if unknown or not fasc.targets:
+            raise HfcompressError(
+                f"--fasc-targets {','.join(unknown) or '(empty)'} cannot be factorised: choose from {', '.join(TARGETABLE)} "
+                "(q_proj/k_proj are LISA's)."
+            )
+        if fasc.rho_keep_threshold is not None and not fasc.rho_keep_threshold >= 0:
+            raise HfcompressError(f"--fasc-rho-keep must be >= 0, got {fasc.rho_keep_threshold}.")
+
+        _at_least(distill.lisa_tune_steps, 0, "--lisa-tune-steps")
+        _at_least(distill.heal_steps, 0, "--heal-steps")
+        if distill.heal_steps and fasc.budget >= 1.0:
+            raise HfcompressError("--heal-steps heals FASC-compressed layers: set --fasc-budget below 1.0, or drop --heal-steps.")
+        if distill.lisa_tune_steps and (lisa.layers == [] or lisa.share_ratio == 0):
+            raise HfcompressError("--lisa-tune-steps tunes shared layers: set --share-ratio above 0, --lisa-layers or --lisa-ppl-budget.")
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and (distill.lisa_tune_steps or distill.heal_steps):
+            raise HfcompressError("--lisa-tune-steps and --heal-steps train the whole model in one process: run them without accelerate launch.")
+        return self
+
+    def check_against_model(self, config) -> None:
+        """Checks that need the source's config (layer count, attention shapes); run before calibration."""
+        from .lisa import lowrank_rank
+
+        layers = config.num_hidden_layers
+        if self.lisa.layers is not None:
+            bad = [layer for layer in self.lisa.layers if not 0 < layer < layers]
+            if bad:
+                raise HfcompressError(f"--lisa-layers {bad} are out of range: layers 1..{layers - 1} can be shared.")
+        elif self.lisa.ppl_budget is None:
+            count = round(self.lisa.ratio * layers)
+            candidates = layers - max(1, self.lisa.protect_first)
+            if count > candidates:
+                raise HfcompressError(
+                    f"--share-ratio {self.lisa.ratio} asks for {count} shared layers but only {candidates} are "
+                    f"outside the {self.lisa.protect_first} protected shallow layers."
+                )
+        if self.distill.lisa_tune_steps and self.lisa.layers is None and self.lisa.ppl_budget is None and count == 0:
+            raise HfcompressError(f"--lisa-tune-steps tunes shared layers, and --share-ratio {self.lisa.ratio} shares none of {layers}.")
+        if self.lisa.lowrank:
+            lowrank_rank(config, self.lisa.qk_compression)
+
+
+def _at_least(value: int, minimum: int, option: str) -> None:
+    if not isinstance(value, int) or value < minimum:
+        raise HfcompressError(f"{option} must be a whole number >= {minimum}, got {value}.")
+
+
+def check_device(device: str) -> None:
+    """Refuse a device this machine does not have (exit 2), before any work."""
+    if not DEVICE_PATTERN.match(device):
+        raise HfcompressError(f"Unknown --device '{device}': choose auto, cpu, cuda or cuda:N.")
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise HfcompressError(f"--device {device}: this machine has no CUDA device (or torch is a CPU build); use --device cpu.")
+        index = int(device.split(":")[1]) if ":" in device else 0
+        if index >= torch.cuda.device_count():
+            raise HfcompressError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), numbered from 0.")
+
+
+def resolve_device(device: str, process_index: int = 0):
+    """The torch.device layers are onloaded to: auto = this process's CUDA device when there is one, else the CPU."""
+    import torch
+
+    check_device(device)
+    if device == "auto":
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        return torch.device("cuda", process_index % torch.cuda.device_count())
+    if device == "cuda":
+        return torch.device("cuda", process_index % torch.cuda.device_count())
+    return torch.device(device)

@@ -1,0 +1,134 @@
+"""The method interface: what a compression method (LISA, FASC, ...) gives the driver, and the registry.
+
+A method is a unit in the spirit of llm-compressor's modifiers. The driver (pipeline.py) streams decoder layers
+and calls every registered method at fixed points; it never knows what a method does:
+
+    observe(ctx)              forward calibration pass, every layer in depth order (ctx: LayerContext)
+    gradient_linears(...)     backward calibration pass (only if `needs_gradients`): the linears whose
+    observe_gradients(...)    activation/gradient statistics it wants, then the finished statistics of a layer
+    plan(planner)             after calibration: choose layers, ranks, ... (may score candidate plans)
+    apply(ctx, state)         convert pass, every layer in depth order: the layer's converted tensors
+    config_entries()          the keys of the converted config.json the modeling code reads
+    report()                  its section of hfcompress_report.json and of the card
+
+Finishers (distillation) run afterwards on the whole converted model, if it fits: `finish(student, teacher,
+sequences)`. A new method is a class here plus its module; the driver does not change.
+"""
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+
+@dataclass
+class LayerContext:
+    """One decoder layer as the driver streams it past the methods."""
+
+    index: int
+    num_layers: int
+    layer: nn.Module  # the original decoder layer (LisaLlama classes, float32, on `device`), frozen
+    device: torch.device
+    attention_input: Callable[[], torch.Tensor]  # every process's calibration inputs of self_attn, (N, T, d), lazily
+    cos_sin: Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # RoPE (cos, sin) for a sequence length, on device
+    previous: Callable[[], "LayerContext | None"]  # the layer below (rebuilt on demand, e.g. when a pass resumes)
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t  # sum over data-parallel processes
+    is_main: bool = True
+
+
+@dataclass
+class Planner:
+    """What a method's plan step may use: the model's config and a scorer of candidate plans."""
+
+    config: Any  # the source model's config (LlamaConfig)
+    num_layers: int
+    # perplexity of the streamed conversion by `methods` alone, on calibration text the fits never saw
+    selection_perplexity: Callable[[list["Method"]], float] | None = None
+    notes: dict = field(default_factory=dict)
+
+
+class Method(ABC):
+    name: str  # the key of its report section and its cache directory
+    needs_gradients: bool = False
+    store: Path | None = None  # its own directory in the calibration cache, set by the driver before any pass
+
+    @abstractmethod
+    def settings(self) -> dict:
+        """Everything that changes what this method computes (cache keys)."""
+
+    def active(self) -> bool:
+        """False when the options turn the method off: then the driver skips it entirely."""
+        return True
+
+    def check_model(self, config) -> None:
+        """Refuse options this model cannot take (raise HfcompressError); runs before calibration."""
+
+    def observe(self, ctx: LayerContext) -> None:
+        """Forward calibration pass."""
+
+    def gradient_linears(self, ctx: LayerContext) -> dict[str, nn.Module]:
+        """Linears of this layer whose input/output-gradient statistics the method needs (needs_gradients)."""
+        return {}
+
+    def observe_gradients(self, ctx: LayerContext, stats: dict) -> None:
+        """The finished statistics of `gradient_linears` (summed over processes)."""
+
+    def plan(self, planner: Planner) -> None:
+        """Choose what to convert."""
+
+    @abstractmethod
+    def apply(self, ctx: LayerContext, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This layer's converted tensors (full names, `model.layers.N.`) from `state`."""
+
+    def touches(self, index: int) -> bool:
+        """Whether apply changes layer `index` (the driver needs the calibration inputs only then)."""
+        return True
+
+    def config_entries(self) -> dict:
+        """Its keys of the converted config.json (known once plan has run)."""
+        return {}
+
+    def resume_state(self) -> dict:
+        """What the convert pass must keep to resume after layer N (the driver saves it after each layer)."""
+        return {}
+
+    def restore(self, state: dict) -> None:
+        """Inverse of resume_state."""
+
+    def report(self) -> dict:
+        return {}
+
+
+class Finisher(ABC):
+    """A step on the whole converted model after the streamed conversion (distillation from the original)."""
+
+    name: str
+
+    @abstractmethod
+    def finish(self, student: nn.Module, teacher: nn.Module, sequences: torch.Tensor) -> tuple[nn.Module, dict]:
+        """Train `student` (on its device); returns it (or its replacement) and the record for the report."""
+
+
+METHODS: dict[str, type[Method]] = {}
+FINISHERS: dict[str, type[Finisher]] = {}
+
+
+def register(cls):
+    """Class decorator: makes a Method or Finisher known to the driver under its `name`."""
+    (METHODS if issubclass(cls, Method) else FINISHERS)[cls.name] = cls
+    return cls
+
+
+def build_methods(options) -> tuple[list[Method], list[Finisher]]:
+    """Every registered method and finisher, built from `options` (ConvertOptions); only the active ones."""
+    # importing a module registers its units, in this order: LISA before FASC before the finishers
+    from . import lisa  # noqa: F401
+    from . import fasc  # noqa: F401
+    from . import distill  # noqa: F401
+
+    methods = [cls.from_options(options) for cls in METHODS.values()]
+    finishers = [f for f in (cls.from_options(options) for cls in FINISHERS.values()) if f is not None]
+    return [m for m in methods if m.active()], finishers

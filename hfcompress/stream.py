@@ -1,0 +1,171 @@
+"""Decoder layers streamed one at a time: built from checkpoint tensors on the meta device, onloaded to the compute
+device, run over hidden states in batches, offloaded. Also the data-parallel processes (accelerate) and the
+chunked lm_head loss, so that neither a whole model nor a (T x vocab) logits tensor is ever needed.
+"""
+
+import torch
+from torch import nn
+
+from .checkpoint import Checkpoint
+from .lisa import causal_mask
+from .remote import import_remote
+
+NLL_CHUNK = 128  # positions per lm_head product: the logits of a whole sequence (T x vocab) are never held
+
+
+class Processes:
+    """This process's place among the data-parallel processes accelerate started (one process without it).
+
+    Reductions run over gloo on CPU tensors whatever the compute device, so the same code serves CPUs and GPUs."""
+
+    def __init__(self) -> None:
+        from accelerate import PartialState
+
+        self.state = PartialState(cpu=True)
+        self.count, self.index, self.is_main = self.state.num_processes, self.state.process_index, self.state.is_main_process
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.count > 1:
+            on_cpu = tensor.cpu()
+            torch.distributed.all_reduce(on_cpu)
+            tensor.copy_(on_cpu)
+        return tensor
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenation of every process's tensor along dim 0, in process order (all have the same shape)."""
+        if self.count == 1:
+            return tensor
+        parts = [torch.empty_like(tensor, device="cpu") for _ in range(self.count)]
+        torch.distributed.all_gather(parts, tensor.cpu().contiguous())
+        return torch.cat(parts).to(tensor.device)
+
+    def agreed_minimum(self, value: int) -> int:
+        if self.count == 1:
+            return value
+        agreed = torch.tensor(value)
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+        return int(agreed)
+
+    def wait(self) -> None:
+        self.state.wait_for_everyone()
+
+
+class LayerStream:
+    """Builds decoder layers of the source (or of a converted config) from tensors and runs them on `device`."""
+
+    def __init__(self, source_config, checkpoint: Checkpoint, device: torch.device, batch_size: int = 4) -> None:
+        self.modeling = import_remote("modeling_lisa_llama")
+        self.source_config = source_config
+        self.checkpoint = checkpoint
+        self.device = device
+        self.batch_size = batch_size
+        self.config = self.layer_config({})  # the original model, in LisaLlama classes
+        self.num_layers = self.config.num_hidden_layers
+        self.rotary_emb = self.modeling.LlamaRotaryEmbedding(config=self.config).to(device)
+        with torch.device("meta"):
+            self.layer_keys = list(self.modeling.LisaLlamaDecoderLayer(self.config, 0).state_dict())
+
+    def layer_config(self, entries: dict):
+        """Converted config (methods' entries) for building layers here; SDPA reads the explicit additive mask."""
+        from .build import converted_config
+
+        config = converted_config(self.source_config, entries)
+        config._attn_implementation = "sdpa"
+        return config
+
+    def original_state(self, idx: int) -> dict[str, torch.Tensor]:
+        return self.checkpoint.load([f"model.layers.{idx}.{key}" for key in self.layer_keys])
+
+    def build(self, config, idx: int, state: dict[str, torch.Tensor]) -> nn.Module:
+        """Decoder layer `idx` of `config` holding `state` (full key names), float32, on the device, frozen."""
+        with torch.device("meta"):
+            layer = self.modeling.LisaLlamaDecoderLayer(config, idx)
+        prefix = f"model.layers.{idx}."
+        layer.load_state_dict({k.removeprefix(prefix): v.to(self.device, torch.float32) for k, v in state.items()}, assign=True)
+        return layer.eval().requires_grad_(False)
+
+    def original_layer(self, idx: int) -> nn.Module:
+        return self.build(self.config, idx, self.original_state(idx))
+
+    def cos_sin(self, seq_len: int):
+        positions = torch.arange(seq_len, device=self.device).unsqueeze(0)
+        return self.rotary_emb(torch.zeros(1, seq_len, 1, device=self.device), position_ids=positions)
+
+    def run(self, layer: nn.Module, hidden: torch.Tensor, prev=None, handoff: str | None = None):
+        """(layer output, what it hands to the next layer) for sequences of one length, each batch onloaded to the
+        device and the results returned where `hidden` lives. `prev` is what the layer below handed over: scores, or
+        a (query, key) tuple for a sparse Align. The explicit additive causal mask serves every attention backend."""
+        seq_len, home = hidden.shape[1], hidden.device
+        mask = causal_mask(seq_len, device=self.device)
+        cos_sin, positions = self.cos_sin(seq_len), torch.arange(seq_len, device=self.device).unsqueeze(0)
+        outputs, passed = [], []
+        for start in range(0, len(hidden), self.batch_size):
+            part = slice(start, start + self.batch_size)
+            batch = hidden[part].to(self.device)
+            out, handed = layer(
+                batch, attention_mask=mask, additive_mask=mask, position_ids=positions.expand(len(batch), -1),
+                position_embeddings=cos_sin, prev=_move(_part(prev, part), self.device), handoff=handoff,
+            )
+            outputs.append(out.to(home))
+            passed.append(_move(handed, home) if handoff else None)
+        return torch.cat(outputs), _concat(passed) if handoff else None
+
+    def head(self) -> tuple[nn.Module, torch.Tensor]:
+        """(final norm, lm_head weight) in float32 on the device; a tied lm_head is the embedding matrix."""
+        tied = self.config.tie_word_embeddings
+        names = ["model.norm.weight", "model.embed_tokens.weight" if tied else "lm_head.weight"]
+        tensors = self.checkpoint.load(names)
+        norm = self.modeling.LlamaRMSNorm(self.config.hidden_size, eps=self.config.rms_norm_eps)
+        norm.weight.data = tensors[names[0]].float()
+        return norm.to(self.device).requires_grad_(False), tensors[names[1]].to(self.device, torch.float32)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Input embeddings (float32, on the CPU: hidden states live there between layers)."""
+        weight = self.checkpoint.load(["model.embed_tokens.weight"])["model.embed_tokens.weight"]
+        return nn.functional.embedding(ids, weight).float()
+
+
+def _part(value, part: slice):
+    if value is None:
+        return None
+    return tuple(v[part] for v in value) if isinstance(value, tuple) else value[part]
+
+
+def _move(value, device):
+    if value is None:
+        return None
+    return tuple(v.to(device) for v in value) if isinstance(value, tuple) else value.to(device)
+
+
+def _concat(values: list):
+    if isinstance(values[0], tuple):
+        return tuple(torch.cat(parts) for parts in zip(*values))
+    return torch.cat(values)
+
+
+def token_nll(
+    norm: nn.Module, lm_head: torch.Tensor, hidden: torch.Tensor, ids: torch.Tensor, with_grad: bool = False
+) -> tuple[float, torch.Tensor | None]:
+    """Summed next-token negative log-likelihood of one sequence (T, d), and (with_grad) its gradient with respect to
+    `hidden`; computed a chunk of positions at a time on lm_head's device (each position's loss depends on its own
+    hidden state only)."""
+    device = lm_head.device
+    ids = ids.to(device)
+    total, grads = 0.0, []
+    for start in range(0, len(ids) - 1, NLL_CHUNK):
+        end = min(start + NLL_CHUNK, len(ids) - 1)
+        part = hidden[start:end].detach().to(device).requires_grad_(with_grad)
+        with torch.set_grad_enabled(with_grad):
+            loss = nn.functional.cross_entropy((norm(part) @ lm_head.T).float(), ids[start + 1 : end + 1], reduction="sum")
+            if with_grad:
+                grads.append(torch.autograd.grad(loss, part)[0].to(hidden.device))
+        total += loss.item()
+    if not with_grad:
+        return total, None
+    return total, torch.cat([*grads, torch.zeros_like(hidden[-1:])])  # the last position predicts nothing
+
+
+def save_atomic(value, path) -> None:
+    tmp = path.with_suffix(".partial")
+    torch.save(value, tmp)
+    tmp.replace(path)

@@ -1,0 +1,150 @@
+"""The steps that need a whole model in memory: distillation (finishers), the factual probe, the speed comparison.
+
+They run after the streamed conversion, on the main process, when the model fits; `decide` settles that before any
+work. An option left at its default (`--probe`/`--speed` not given) is skipped with a notice when the model does not
+fit; one asked for explicitly is refused with one sentence instead.
+
+Memory: at most one whole float32 model is resident for probe and speed. The converted model in the speed run
+shares the original's unchanged tensors (speed does not depend on their values; only new tensors are loaded).
+Distillation holds the original (teacher) and the converted model (student) together.
+"""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .build import assemble, cast_parameters
+from .checkpoint import Checkpoint, load_tensors, save_tensors
+from .errors import HfcompressError
+from .methods import Finisher
+from .probe import run_probe
+from .progress import console
+from .speed import measure_speed
+from .validate import perplexity
+
+MEMORY_FRACTION = 0.8  # of the memory free when the run starts
+FOOTPRINT = {"probe": 1.3, "speed": 1.3, "distill": 3.5}  # multiples of the float32 model each step needs
+
+
+def available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["MemAvailable"].split()[0]) * 1024
+
+
+@dataclass
+class WholeModelResults:
+    finished: dict = field(default_factory=dict)  # finisher name -> record
+    probe: dict = field(default_factory=dict)
+    speed: dict | None = None
+    expected_logits: torch.Tensor | None = None  # of the finished model on the reload prompt
+    converted_perplexity: object = None  # PerplexityResult of the finished model
+
+
+@dataclass
+class WholeModelSteps:
+    probe: bool
+    speed: bool
+    finishers: list[Finisher]
+    model_bytes: int
+    available: int
+    skipped: dict[str, str]
+
+    @classmethod
+    def decide(cls, options, checkpoint: Checkpoint, finishers: list[Finisher], processes: int, device: torch.device) -> "WholeModelSteps":
+        model_bytes, available = checkpoint.float32_bytes(), available_memory(device)
+
+        def fits(step: str) -> bool:
+            return FOOTPRINT[step] * model_bytes <= MEMORY_FRACTION * available
+
+        where = f"{device.type} memory ({available / 2**30:.1f} GiB free, the float32 model is {model_bytes / 2**30:.1f} GiB)"
+        if finishers and not fits("distill"):
+            raise HfcompressError(
+                f"{', '.join(f.name for f in finishers)} train the whole model, which does not fit in {where}: drop "
+                "--lisa-tune-steps/--heal-steps, or run on a device with more memory."
+            )
+        skipped, chosen = {}, {}
+        for step, asked in (("probe", options.probe), ("speed", options.speed)):
+            if asked is False:
+                skipped[step] = "turned off"
+            elif fits(step):
+                chosen[step] = True
+            elif asked:
+                raise HfcompressError(f"--{step} needs the whole model, which does not fit in {where}: pass --no-{step}.")
+            else:
+                skipped[step] = f"the whole model does not fit in {where}"
+                console.log(f"[yellow]{step} skipped: {skipped[step]}[/]")
+        return cls(chosen.get("probe", False), chosen.get("speed", False), finishers, model_bytes, available, skipped)
+
+    def describe(self) -> dict:
+        ran = [name for name, on in (("probe", self.probe), ("speed", self.speed)) if on] + [f.name for f in self.finishers]
+        return {"ran": ran, "skipped": self.skipped, "model_float32_mb": round(self.model_bytes / 2**20, 1)}
+
+    def run(self, run, checkpoint: Checkpoint, source_config, config, work: Path, layer_files: list[str], tokenizer,
+            eval_ids: torch.Tensor, probe_ids: torch.Tensor) -> WholeModelResults:
+        results = WholeModelResults()
+        if not (self.probe or self.speed or self.finishers):
+            return results
+        from transformers import LlamaForCausalLM
+
+        with run.step("whole model: load the original"):
+            original = assemble(source_config, checkpoint.load(list(checkpoint.files)), cls=LlamaForCausalLM)
+        if self.finishers:
+            with run.step("whole model: distill"):
+                self._distill(run, original, config, work, layer_files, eval_ids, probe_ids, results)
+        if self.probe:
+            with run.step("validate: factual probe (original)"):
+                results.probe["original"] = _probe_record(run_probe(original, tokenizer))
+        if self.speed:
+            with run.step("validate: speed"):
+                view = converted_model(config, work, layer_files, share_with=original)
+                results.speed = measure_speed(original, view, eval_ids, gpu_dtype=run.saved_dtype, device=run.device)
+                results.speed["note"] = "the converted model shares the original's unchanged float32 tensors"
+                del view
+        del original
+        if self.probe:
+            with run.step("validate: factual probe (converted)"):
+                converted = converted_model(config, work, layer_files)
+                results.probe["converted"] = _probe_record(run_probe(converted, tokenizer))
+                del converted
+        return results
+
+    def _distill(self, run, original: nn.Module, config, work: Path, layer_files: list[str], eval_ids, probe_ids, results) -> None:
+        options, device = run.options, run.device
+        student = converted_model(config, work, layer_files).to(device)
+        teacher = original.to(device)
+        for finisher in self.finishers:
+            student, results.finished[finisher.name] = finisher.finish(student, teacher, run.sequences)
+        student = cast_parameters(cast_parameters(student, run.saved_dtype), torch.float32)  # as it will be saved
+        state = student.state_dict()
+        for idx in range(config.num_hidden_layers):
+            prefix = f"model.layers.{idx}."
+            save_tensors({k: v.to(run.saved_dtype) for k, v in state.items() if k.startswith(prefix)}, work / f"layer-{idx:05d}.safetensors")
+        results.converted_perplexity = perplexity(
+            student, eval_ids.to(device), options.eval_context, max_tokens=options.eval_tokens, label="perplexity: distilled"
+        )
+        with torch.no_grad():
+            results.expected_logits = student(probe_ids.to(device), use_cache=False).logits.float().cpu()
+        original.to("cpu")
+        del student
+
+
+def _probe_record(result) -> dict:
+    data = result.to_dict()
+    return {k: data[k] for k in ("correct", "total", "accuracy")}
+
+
+def converted_model(config, work: Path, layer_files: list[str], share_with: nn.Module | None = None) -> nn.Module:
+    """The converted model (float32) from the saved layer files. With `share_with` (the original), every tensor the
+    conversion left unchanged is the original's own tensor, so only the new ones take memory."""
+    shared = share_with.state_dict() if share_with is not None else {}
+    state = {}
+    for name in layer_files:
+        for key, tensor in load_tensors(work / name).items():
+            same = key in shared and shared[key].shape == tensor.shape
+            state[key] = shared[key] if same else tensor.float()
+    return assemble(config, state)

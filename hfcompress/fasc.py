@@ -206,6 +206,7 @@ class FascMethod(Method):
     computed, one global rank budget in plan, the factors swapped in by apply."""
 
     name = "fasc"
+    order = 20
     needs_gradients = True
 
     def __init__(self, options: FascOptions, seed: int = 0) -> None:

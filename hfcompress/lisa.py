@@ -437,6 +437,7 @@ class LisaMethod(Method):
     """LISA as a pipeline unit: similarity in the forward pass, the layer choice in plan, the fits in apply."""
 
     name = "lisa"
+    order = 10
 
     def __init__(self, options: LisaOptions, layers: list[int] | None = None) -> None:
         self.options = options
@@ -487,6 +488,12 @@ class LisaMethod(Method):
         elif options.layers is not None:
             self.chosen = select_layers(similarity, planner.num_layers, options)
         elif options.ppl_budget is not None:
+            tokens, context = planner.notes["tokens"], planner.notes["context"]
+            if tokens < context:
+                raise HfcompressError(
+                    f"--lisa-ppl-budget needs {context} calibration tokens beyond the calibration sequences, the text "
+                    f"has {tokens}: give a longer --calib-text or fewer --calib-sequences."
+                )
             base = planner.selection_perplexity([])
             limit = base * (1 + options.ppl_budget / 100)
 

@@ -52,6 +52,7 @@ class Planner:
 
 class Method(ABC):
     name: str  # the key of its report section and its cache directory
+    order: int  # methods apply in this order, lowest first
     needs_gradients: bool = False
     store: Path | None = None  # its own directory in the calibration cache, set by the driver before any pass
 
@@ -123,12 +124,9 @@ def register(cls):
 
 
 def build_methods(options) -> tuple[list[Method], list[Finisher]]:
-    """Every registered method and finisher, built from `options` (ConvertOptions); only the active ones."""
-    # importing a module registers its units, in this order: LISA before FASC before the finishers
-    from . import lisa  # noqa: F401
-    from . import fasc  # noqa: F401
-    from . import distill  # noqa: F401
+    """Every registered method, built from `options` (ConvertOptions), and the finishers the options turn on."""
+    from . import distill, fasc, lisa  # noqa: F401  (importing a module registers its units)
 
-    methods = [cls.from_options(options) for cls in METHODS.values()]
+    methods = [cls.from_options(options) for cls in sorted(METHODS.values(), key=lambda cls: cls.order)]
     finishers = [f for f in (cls.from_options(options) for cls in FINISHERS.values()) if f is not None]
-    return [m for m in methods if m.active()], finishers
+    return methods, finishers

@@ -9,7 +9,7 @@ passes; the driver never names one:
 1. forward   embeddings -> every layer's input hidden state (saved per layer: a rerun resumes), methods observe
 2. backward  only if a method needs gradients: dL/dh from the final norm + lm_head, then layer by layer, with the
              methods' linear statistics hooked in; the per-layer results are saved as they are computed
-3. convert   each method plans (LISA may score candidate plans by streaming them), then per layer every method
+3. convert   each method plans (and may score candidate plans by streaming them), then per layer every method
              applies its change; the layer is saved (a rerun resumes at the next layer) and the evaluation windows
              move through the original and the converted layer, so perplexity needs no whole model
 
@@ -49,7 +49,7 @@ from .text import chunk, text_streams
 from .validate import PerplexityResult, verify_written
 from .wholemodel import WholeModelSteps
 
-SELECTION_TOKENS = 2048  # calibration-text tokens after the sequences: score candidate plans (LISA's search)
+SELECTION_TOKENS = 2048  # calibration-text tokens after the sequences: score candidate plans
 RELOAD_PROBE_TOKENS = 256  # prompt whose logits the reloaded output must reproduce
 OUTPUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -318,11 +318,6 @@ def finish_perplexity(run: Run, evaluation: Evaluation) -> tuple[PerplexityResul
 
 def selection_scorer(run: Run, selection_ids: torch.Tensor):
     """Perplexity of a candidate plan (methods planned alone) on calibration text that no fit saw; [] = original."""
-    if len(selection_ids) < run.options.eval_context:
-        raise HfcompressError(
-            f"Scoring candidate plans (--lisa-ppl-budget) needs {run.options.eval_context} calibration tokens beyond "
-            f"the calibration sequences, the text has {len(selection_ids)}: give a longer --calib-text or fewer --calib-sequences."
-        )
     cache: dict = {}
 
     def score(methods: list[Method]) -> float:
@@ -404,7 +399,10 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> Report:
     calibrate(run, active)
 
     with run.step("plan"):
-        planner = Planner(run.stream.config, run.stream.num_layers, selection_scorer(run, selection_ids), {"tokens": len(selection_ids)})
+        planner = Planner(
+            run.stream.config, run.stream.num_layers, selection_scorer(run, selection_ids),
+            {"tokens": len(selection_ids), "context": options.eval_context},
+        )
         for method in active:
             method.plan(planner)
 

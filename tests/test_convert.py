@@ -174,8 +174,8 @@ def test_eval_and_analyze_commands(tiny_llama_dir, tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     measured = json.loads(result_path.read_text())
     report = json.loads((out / "hfcompress_report.json").read_text())
-    assert report["fasc"]["healing"]["steps"] == 3  # LoRA merged: the reload check inside convert passed
-    assert report["lisa"]["end_to_end_tuning"]["steps"] == 2
+    assert report["finishers"]["fasc_healing"]["steps"] == 3  # LoRA merged: the reload check inside convert passed
+    assert report["finishers"]["lisa_tuning"]["steps"] == 2
     # same tokens, same windows: eval reproduces the perplexities convert recorded
     assert measured["models"]["baseline"]["perplexity"]["perplexity"] == pytest.approx(
         report["validation"]["original"]["perplexity"], rel=1e-4

@@ -12,7 +12,9 @@
   the argument specialisation the JIT would use on a GPU (ints == 1 folded, 16-divisibility hints). This
   surfaces GPU-only errors (dot shapes, dtype rules, layouts, shared memory) without a GPU; it does not
   check numerics on a GPU.
-* Fallback tests: dispatch to the torch reference on CPU tensors, and with `triton` hidden.
+* Dispatch tests: which implementation runs (Triton entry points stubbed, references spied on) for CPU tensors,
+  GPU tensors (a CPU tensor subclass reporting is_cuda), forced backends and with `triton` hidden; the torch
+  path's numbers are checked against the layer's math written out as plain loops (`_naive_lisa`).
 
 bf16 is only compiled, never run: the interpreter's bf16 tl.dot is not trustworthy.
 """
@@ -390,7 +392,7 @@ def test_auto_backend_on_cpu_tensors_runs_the_torch_reference(monkeypatch):
     _naive_close(out, expect_out, "prefill out")
     _naive_close(scores, expect_scores, "prefill scores")
 
-    # decode, in the model's layout ((B,H,1,Tk) scores, (B,H,1,r) query): the last query sees every key
+    # decode, in the model's layout ((B,H,1,Tk) scores, (B,H,1,r) query, (B,Tk) keep-mask): all unmasked keys seen
     calls.clear()
     dec_out, dec_expect = _naive_lisa(
         p["s_prev"][:, :, -1:], *args[1:6], p["qlr"][:, :, -1:], p["klr"], p["v"], keep=keep

@@ -107,6 +107,7 @@ def test_wikitext2_loads_through_datasets(wikitext_hub, hub_env):
     assert hub.requests_matching(contains=f"/datasets/{WIKITEXT_REPO}/resolve/{sha}/{WIKITEXT_CONFIG}/test-")
 
 
+@pytest.mark.slow  # a full convert + eval of the tiny model in subprocesses: ~50 s on 2 cores
 def test_convert_and_eval_use_wikitext2_when_the_hub_answers(wikitext_hub, hub_env, tiny_llama_dir, tmp_path):
     hub, sha, _, _ = wikitext_hub
     env = {**hub_env, "HFCOMPRESS_CACHE": str(tmp_path / "cache")}
@@ -228,7 +229,7 @@ def test_auto_is_bounded_when_the_hub_never_answers(monkeypatch, log, hub_traffi
         _forbid_wikitext_load(monkeypatch)
         # A safety net, not a timing check: were no timeout applied, the read would block forever; closing the
         # listener then resets the connection (ReadError, not ReadTimeout) and the test fails instead of hanging.
-        watchdog = threading.Timer(120, silent.close)
+        watchdog = threading.Timer(60, silent.close)
         watchdog.start()
         try:
             text = load_text("auto", "evaluation")

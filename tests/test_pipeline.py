@@ -1,0 +1,215 @@
+"""The one streamed driver on the tiny random Llama: the same conversion as an in-memory reference computed with the
+library's own in-memory functions, resumable per layer, sharded output that loads, two data-parallel gloo processes
+equal to one, methods as units, and whole-model steps that are skipped or refused when the model does not fit."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import hfcompress.pipeline as pipeline
+from hfcompress.config import ConvertOptions, DistillOptions
+from hfcompress.errors import HfcompressError
+from hfcompress.fasc import FascOptions
+from hfcompress.lisa import LisaOptions
+from tiny_models import save_tiny_llama
+
+SETTINGS = dict(
+    calib_sequences=8, seq_len=64, eval_tokens=512, probe=False, speed=False, max_ppl_increase=1000.0,
+    lisa=LisaOptions(share_ratio=0.5, protect_first=1, steps=10), fasc=FascOptions(budget=0.8),
+)
+CLI_SETTINGS = [
+    "--calib-sequences", "8", "--seq-len", "64", "--eval-tokens", "512", "--no-probe", "--no-speed",
+    "--max-ppl-increase", "1000", "--share-ratio", "0.5", "--protect-first", "1", "--lisa-steps", "10",
+    "--fasc-budget", "0.8", "--max-shard-size", "200KB",
+]
+
+
+def weights(directory: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a converted directory; a FASC pair is compared as its product (the factors' signs are free)."""
+    tensors = {}
+    for file in directory.glob("*.safetensors"):
+        with safe_open(file, "pt") as handle:
+            tensors.update({k: handle.get_tensor(k).float() for k in handle.keys()})
+    for key in [k for k in tensors if k.endswith("proj_in.weight")]:
+        prefix = key.removesuffix("proj_in.weight")
+        tensors[prefix + "product"] = tensors.pop(prefix + "proj_out.weight") @ tensors.pop(key)
+    return tensors
+
+
+def max_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("pipeline") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def streamed(tiny, tmp_path_factory) -> tuple[Path, dict, Path]:
+    """One uninterrupted single-process conversion: (output dir, report, cache dir)."""
+    root = tmp_path_factory.mktemp("pipeline-run")
+    options = ConvertOptions(source=str(tiny), out=root / "out", cache_dir=root / "cache", max_shard_size="200KB", **SETTINGS)
+    return root / "out", pipeline.convert(options, argv=[]).to_dict(), root / "cache"
+
+
+def in_memory_reference(tiny: Path, report: dict) -> dict:
+    """The conversion the old in-memory pipeline computed, from the library's in-memory functions: the same layers
+    (chosen from its own similarity), the same FASC ranks and the same perplexities."""
+    from hfcompress.build import build_converted_model
+    from hfcompress.calibrate import collect_attention_inputs, collect_linear_stats
+    from hfcompress.fasc import compress_linears
+    from hfcompress.lisa import fit_lisa, measure_similarity, select_layers
+    from hfcompress.source import load_source, resolve_source
+    from hfcompress.text import chunk, text_streams
+    from hfcompress.validate import perplexity
+
+    model, tokenizer = load_source(resolve_source(str(tiny)))
+    calib_ids, _, eval_ids, _ = text_streams(tokenizer, "auto", "auto", 8 * 64 + pipeline.SELECTION_TOKENS)
+    sequences = chunk(calib_ids, 64, 8)
+    inputs = collect_attention_inputs(model, sequences)
+    similarity = measure_similarity(model, inputs)
+    options = SETTINGS["lisa"]
+    chosen = select_layers(similarity, model.config.num_hidden_layers, options)
+    fitted = fit_lisa(model, inputs, chosen, similarity, options)
+    names = [f"{i}.{t}" for i in range(model.config.num_hidden_layers) for t in SETTINGS["fasc"].targets]
+    stats = collect_linear_stats(model, sequences, names)
+    factors, results = compress_linears({n: model.model.layers.get_submodule(n) for n in names}, stats, SETTINGS["fasc"])
+    converted = build_converted_model(model, fitted, factors)
+    return {
+        "layers": chosen,
+        "ranks": [r.rank for r in results],
+        "original": perplexity(model, eval_ids, 512, max_tokens=512).perplexity,
+        "converted": perplexity(converted, eval_ids, 512, max_tokens=512).perplexity,
+    }
+
+
+def test_streamed_equals_in_memory_reference_and_sharded_output_loads(tiny, streamed):
+    out, report, _ = streamed
+    reference = in_memory_reference(tiny, report)
+    assert report["lisa"]["layers"] == reference["layers"] and report["lisa"]["layers"]
+    assert [r["rank"] for r in report["fasc"]["layers"]] == reference["ranks"]
+    assert report["validation"]["original"]["perplexity"] == pytest.approx(reference["original"], rel=1e-4)
+    # converted: the streamed run validates the weights rounded to their saved dtype (float32 here: none)
+    assert report["validation"]["converted"]["perplexity"] == pytest.approx(reference["converted"], rel=1e-3)
+
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    groups = {}  # shard -> the layers (or "rest") it holds; a shard over the limit holds a single one
+    for key, shard in index["weight_map"].items():
+        groups.setdefault(shard, set()).add(key.split(".")[2] if key.startswith("model.layers.") else "rest")
+    assert len(groups) > 1
+    assert all((out / shard).stat().st_size <= 200_000 or len(held) == 1 for shard, held in groups.items())
+    # the pipeline reloaded the sharded directory in a fresh process with AutoModelForCausalLM(trust_remote_code=True)
+    assert report["validation"]["reload"]["mode"] == "logits"
+    assert report["validation"]["reload"]["class"] == "LisaLlamaForCausalLM"
+    assert report["validation"]["reload"]["max_abs_logit_diff"] <= 1e-4
+    assert report["memory"]["peak_rss_mb"] > 0 and report["device"] == "cpu"
+    assert not list(out.parent.glob(".out.partial-*"))
+
+
+def test_interrupted_run_resumes_at_the_next_layer(tiny, streamed, tmp_path, monkeypatch):
+    reference_out, _, _ = streamed
+    options = ConvertOptions(source=str(tiny), out=tmp_path / "out", cache_dir=tmp_path / "cache", max_shard_size="200KB", **SETTINGS)
+    built = []
+    real_build = pipeline.LayerStream.build
+
+    def crash_at_layer_2_of_the_convert_pass(self, config, idx, state):
+        if config.lisa_layers or config.fasc_ranks:  # the convert pass builds converted layers
+            built.append(idx)
+            if idx == 2:
+                raise KeyboardInterrupt
+        return real_build(self, config, idx, state)
+
+    monkeypatch.setattr(pipeline.LayerStream, "build", crash_at_layer_2_of_the_convert_pass)
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.convert(options, argv=[])
+    assert not options.out.exists()
+
+    loaded = []
+    real_state = pipeline.LayerStream.original_state
+    monkeypatch.setattr(pipeline.LayerStream, "build", real_build)
+    monkeypatch.setattr(pipeline.LayerStream, "original_state", lambda self, idx: loaded.append(idx) or real_state(self, idx))
+    pipeline.convert(options, argv=[])
+
+    assert loaded == [2, 3]  # calibration and statistics come from the cache; conversion restarts at layer 2
+    assert max_difference(weights(options.out), weights(reference_out)) < 1e-6
+
+
+def test_two_gloo_processes_equal_one(tiny, streamed, tmp_path):
+    reference_out, reference, _ = streamed
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+        "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "hfcompress.cli",
+        "convert", str(tiny), "--out", str(tmp_path / "out"), "--device", "cpu", "--layer-by-layer", *CLI_SETTINGS,
+    ]
+    env = dict(os.environ, HFCOMPRESS_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--layer-by-layer has no effect" in proc.stderr  # every conversion streams; the old flag is a no-op
+
+    report = json.loads((tmp_path / "out" / "hfcompress_report.json").read_text())
+    assert report["processes"] == 2
+    assert report["lisa"]["layers"] == reference["lisa"]["layers"]
+    assert [r["rank"] for r in report["fasc"]["layers"]] == [r["rank"] for r in reference["fasc"]["layers"]]
+    assert report["validation"]["converted"]["perplexity"] == pytest.approx(reference["validation"]["converted"]["perplexity"], rel=1e-4)
+    assert max_difference(weights(tmp_path / "out"), weights(reference_out)) < 1e-4
+    assert sorted(p.name for p in (tmp_path / "cache").rglob("process*-of-2"))  # each process kept its own shard
+
+
+def test_perplexity_budget_search_streams_candidates_and_reuses_fits(tiny, tmp_path, monkeypatch):
+    """--lisa-ppl-budget scores each candidate set by streaming it layer by layer; the final conversion reuses the
+    fits of the chosen chain instead of fitting again."""
+    from hfcompress import lisa
+
+    fits = []
+    real_fit = lisa.fit_shared_layer
+    monkeypatch.setattr(lisa, "fit_shared_layer", lambda *a, **k: fits.append(a[3]) or real_fit(*a, **k))
+    settings = {**SETTINGS, "lisa": LisaOptions(ppl_budget=1000.0, protect_first=1, steps=5), "fasc": FascOptions()}
+    report = pipeline.convert(ConvertOptions(source=str(tiny), out=tmp_path / "out", cache_dir=tmp_path / "cache", **settings), argv=[]).to_dict()
+    search = report["lisa"]["perplexity_search"]
+    assert report["lisa"]["layers"] == [1, 2, 3]  # a generous budget shares every unprotected layer
+    assert 1 <= len(search["probes"]) <= 2 and all(p["within_budget"] for p in search["probes"])
+    assert len(fits) == len(set(fits)) == 3  # each layer of the chain fitted once, across the search and the conversion
+
+
+def test_whole_model_steps_skip_by_default_and_refuse_when_asked(tiny, tmp_path, monkeypatch):
+    """A model that does not fit in memory: default probe/speed are skipped with a note; asked for explicitly, they
+    are refused with one sentence before any calibration."""
+    from hfcompress import wholemodel
+
+    monkeypatch.setattr(wholemodel, "available_memory", lambda device: 1000)  # bytes: nothing fits
+    calibrated = []
+    monkeypatch.setattr(pipeline, "calibrate", lambda *a: calibrated.append(True))
+    with pytest.raises(HfcompressError, match="--probe needs the whole model.*pass --no-probe"):
+        pipeline.convert(ConvertOptions(source=str(tiny), out=tmp_path / "a", cache_dir=tmp_path / "cache", **{**SETTINGS, "probe": True}), argv=[])
+    with pytest.raises(HfcompressError, match="lisa_tuning train the whole model"):
+        settings = {**SETTINGS, "distill": DistillOptions(lisa_tune_steps=2)}
+        pipeline.convert(ConvertOptions(source=str(tiny), out=tmp_path / "b", cache_dir=tmp_path / "cache", **settings), argv=[])
+    assert calibrated == []
+    monkeypatch.setattr(pipeline, "calibrate", lambda *a: None)
+    report_skipped = wholemodel.WholeModelSteps.decide(
+        ConvertOptions(source=str(tiny), out=tmp_path / "c"), pipeline.Checkpoint(tiny, "tiny"), [], 1, torch.device("cpu")
+    ).describe()
+    assert report_skipped["ran"] == [] and set(report_skipped["skipped"]) == {"probe", "speed"}
+
+
+def test_methods_are_registered_units():
+    """The driver sees methods only through the registry; LISA and FASC own their names and report sections."""
+    from hfcompress.methods import FINISHERS, METHODS, build_methods
+
+    methods, finishers = build_methods(ConvertOptions(source="x", out=Path("y"), fasc=FascOptions(budget=0.5)))
+    assert [m.name for m in methods] == ["lisa", "fasc"] and set(METHODS) == {"lisa", "fasc"}
+    assert finishers == [] and set(FINISHERS) == {"lisa_tuning", "fasc_healing"}
+    methods, _ = build_methods(ConvertOptions(source="x", out=Path("y")))
+    assert [m.name for m in methods if m.active()] == ["lisa"]  # FASC at budget 1.0 is off
+    import inspect
+
+    source = inspect.getsource(pipeline)
+    assert "lisa" not in source.lower().replace("lisallama", "") and "fasc" not in source.lower()

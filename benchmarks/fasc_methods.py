@@ -11,9 +11,10 @@ import time
 from pathlib import Path
 
 from hfcompress.build import build_converted_model, parameter_counts
-from hfcompress.convert import ConvertOptions, prepare
+from common import prepare
+from hfcompress.config import ConvertOptions
 from hfcompress.fasc import DEFAULT_TARGETS, FascOptions, compress_linears
-from hfcompress.heal import heal_with_lora
+from hfcompress.distill import heal_with_lora
 from hfcompress.probe import run_probe
 from hfcompress.source import BUILTIN_SOURCE
 from hfcompress.validate import perplexity

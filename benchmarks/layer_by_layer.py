@@ -1,11 +1,10 @@
-"""Layer-by-layer conversion figures (issue #8), each from one run of this script.
+"""Streaming figures of the one driver, each from one run of this script.
 
-  smollm2        peak resident memory of `convert --layer-by-layer` vs the in-memory pipeline on the real
-                 SmolLM2-135M (its GGUF dequantised once into a float32 safetensors directory), same settings, both
-                 as fresh subprocesses with empty calibration caches; prints the ratio and how far the results agree.
+  smollm2        peak resident memory of the README's default `hfcompress convert` (built-in SmolLM2-135M GGUF, no
+                 flags, empty cache) in a fresh process, against the float32 model file; layers and perplexities.
   llama7b-shape  a random-weight model with Llama-2-7B's shapes, written shard by shard in bfloat16 (never whole in
-                 memory), converted with --layer-by-layer --dtype bfloat16; prints wall time and peak memory, then
-                 deletes the ~13 GB of weights and the output.
+                 memory), converted with --dtype bfloat16; prints wall time and peak memory, then deletes the ~13 GB
+                 of weights and the output.
 
   python benchmarks/layer_by_layer.py smollm2 --workdir /tmp/lbl-bench
   python benchmarks/layer_by_layer.py llama7b-shape --workdir /tmp/lbl-7b
@@ -20,10 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-SMOLLM2_SETTINGS = [
-    "--share-ratio", "0.2", "--fasc-budget", "0.9", "--fasc-targets", "self_attn.o_proj",
-    "--no-probe", "--no-speed", "--max-ppl-increase", "1000",
-]
 LLAMA7B_SETTINGS = [
     "--dtype", "bfloat16", "--calib-sequences", "4", "--seq-len", "128", "--share-ratio", "0.2", "--lisa-steps", "5",
     "--fasc-budget", "1.0", "--eval-tokens", "512", "--max-shard-size", "2GB",
@@ -33,7 +28,7 @@ LLAMA2_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32
                  num_key_value_heads=32, vocab_size=32000)
 
 
-def convert(source: Path, out: Path, extra: list[str], cache: Path) -> tuple[dict, float, int]:
+def convert(source: Path | str, out: Path, extra: list[str], cache: Path) -> tuple[dict, float, int]:
     """One `hfcompress convert` in a fresh process: (its report, wall seconds, its peak RSS in MB by wait4)."""
     command = [sys.executable, "-m", "hfcompress.cli", "convert", str(source), "--out", str(out), "--overwrite", *extra]
     print("$", " ".join(command[1:]), flush=True)
@@ -47,62 +42,21 @@ def convert(source: Path, out: Path, extra: list[str], cache: Path) -> tuple[dic
     return json.loads((out / "hfcompress_report.json").read_text()), seconds, usage.ru_maxrss // 1024
 
 
-def dequantised_smollm2(workdir: Path) -> Path:
-    """The built-in GGUF, dequantised once and saved as a float32 safetensors directory."""
-    target = workdir / "smollm2-135m-instruct"
-    if not (target / "config.json").is_file():
-        from hfcompress.source import load_source, resolve_source
-
-        model, tokenizer = load_source(resolve_source("smollm2-135m-instruct"))
-        model.save_pretrained(target, safe_serialization=True)
-        tokenizer.save_pretrained(target)
-    return target
-
-
-def compare_outputs(a: Path, b: Path) -> dict:
-    """Largest weight difference (one tensor at a time; a FASC layer as its product A B, whose factors' signs are
-    free) and largest logit difference of two converted directories."""
-    import torch
-    from safetensors import safe_open
-    from transformers import AutoModelForCausalLM
-
-    def tensors(directory: Path) -> dict[str, Path]:
-        return {k: f for f in sorted(directory.glob("*.safetensors")) for k in safe_open(f, "pt").keys()}
-
-    def weight(files: dict[str, Path], name: str) -> torch.Tensor:
-        if name.endswith("proj_in.weight"):
-            out = name.replace("proj_in", "proj_out")
-            return safe_open(files[out], "pt").get_tensor(out).float() @ safe_open(files[name], "pt").get_tensor(name).float()
-        return safe_open(files[name], "pt").get_tensor(name).float()
-
-    ta, tb = tensors(a), tensors(b)
-    if set(ta) != set(tb):
-        return {"same_tensor_names": False}
-    names = [n for n in ta if not n.endswith("proj_out.weight")]
-    weight_diff = max((weight(ta, n) - weight(tb, n)).abs().max().item() for n in names)
-    ids = torch.arange(100, 228).unsqueeze(0)
-    with torch.no_grad():
-        logits = [AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True, dtype=torch.float32)(ids).logits for d in (a, b)]
-    return {"same_tensor_names": True, "max_weight_diff": weight_diff, "max_logit_diff": (logits[0] - logits[1]).abs().max().item()}
-
-
 def smollm2(workdir: Path) -> None:
-    source = dequantised_smollm2(workdir)
-    runs = {}
-    for name, extra in (("in-memory", []), ("layer-by-layer", ["--layer-by-layer"])):
-        cache = workdir / f"cache-{name}"
-        shutil.rmtree(cache, ignore_errors=True)
-        runs[name] = convert(source, workdir / name, SMOLLM2_SETTINGS + extra, cache)
-    agreement = compare_outputs(workdir / "in-memory", workdir / "layer-by-layer")
-    print("\n| pipeline | peak RSS (tool, MB) | peak RSS (wait4, MB) | wall s | perplexity original -> converted | LISA layers |")
-    print("|---|---|---|---|---|---|")
-    for name, (report, seconds, rss) in runs.items():
-        validation = report["validation"]
-        print(f"| {name} | {report['memory']['peak_rss_mb']:.0f} | {rss} | {seconds:.0f} | "
-              f"{validation['original']['perplexity']:.3f} -> {validation['converted']['perplexity']:.3f} | {report['lisa']['layers']} |")
-    ratio = runs["layer-by-layer"][0]["memory"]["peak_rss_mb"] / runs["in-memory"][0]["memory"]["peak_rss_mb"]
-    print(f"\npeak RSS ratio layer-by-layer / in-memory (tool's own figure): {ratio:.1%}")
-    print(f"agreement of the two outputs: {json.dumps(agreement)}")
+    """The README's default conversion (no flags) of the built-in GGUF with an empty cache, in a fresh process: its peak
+    RSS against the float32 model file (the dequantised safetensors the first step writes into the cache)."""
+    cache = workdir / "cache"
+    shutil.rmtree(cache, ignore_errors=True)
+    report, seconds, rss = convert("smollm2-135m-instruct", workdir / "smollm2-lisa", [], cache)
+    float32_file = sum(f.stat().st_size for f in cache.glob("gguf-*/model.safetensors"))
+    validation = report["validation"]
+    print("\n| peak RSS (tool, MB) | peak RSS (wait4, MB) | float32 model file (MB) | ratio | wall s | perplexity | LISA layers |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| {report['memory']['peak_rss_mb']:.0f} | {rss} | {float32_file / 2**20:.0f} | {rss * 2**20 / float32_file:.2f}x | "
+          f"{seconds:.0f} | {validation['original']['perplexity']:.3f} -> {validation['converted']['perplexity']:.3f} | "
+          f"{report['lisa']['layers']} |")
+    print(f"running peak after each step (MB): {json.dumps(report['memory']['peak_rss_mb_after_step'])}")
+    print(f"whole-model steps: {json.dumps(report['whole_model_steps'])}")
 
 
 def write_random_llama(directory: Path, shapes: dict, seed: int = 0) -> None:
@@ -163,7 +117,7 @@ def llama7b_shape(workdir: Path, keep: bool) -> None:
     print(f"random weights: {size / 1e9:.1f} GB in {time.perf_counter() - start:.0f} s")
     cache = workdir / "cache"
     try:
-        report, seconds, rss = convert(source, workdir / "llama2-7b-shape-lisa", LLAMA7B_SETTINGS + ["--layer-by-layer"], cache)
+        report, seconds, rss = convert(source, workdir / "llama2-7b-shape-lisa", LLAMA7B_SETTINGS, cache)
         validation = report["validation"]
         print(f"\nwall {seconds:.0f} s, peak RSS {report['memory']['peak_rss_mb']:.0f} MB (tool), {rss} MB (wait4)")
         print(f"timings {json.dumps(report['timings'])}")

@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from hfcompress.build import build_converted_model
-from hfcompress.convert import ConvertOptions, prepare
+from common import prepare
+from hfcompress.config import ConvertOptions
 from hfcompress.lisa import LisaOptions, fit_lisa, select_layers
 from hfcompress.remote import import_remote
 from hfcompress.source import BUILTIN_SOURCE

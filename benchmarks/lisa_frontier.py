@@ -11,8 +11,9 @@ import time
 from pathlib import Path
 
 from hfcompress.build import build_converted_model, parameter_counts
-from hfcompress.convert import ConvertOptions, prepare
-from hfcompress.heal import tune_lisa_end_to_end
+from common import prepare
+from hfcompress.config import ConvertOptions
+from hfcompress.distill import tune_lisa_end_to_end
 from hfcompress.lisa import LisaOptions, fit_lisa, select_layers
 from hfcompress.source import BUILTIN_SOURCE
 from hfcompress.validate import perplexity

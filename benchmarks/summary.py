@@ -17,7 +17,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from hfcompress.cli import app
-from hfcompress.convert import REPORT_FILE
+from hfcompress.report import REPORT_FILE
 from hfcompress.validate import read_json
 
 
@@ -54,7 +54,12 @@ def summary_table(report: dict, wall: float, peak_rss_mb: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None, help="output directory [default: a temporary one]")
+    parser.add_argument("--from-report", type=Path, default=None, help="print the table of an existing report, convert nothing")
     args, convert_flags = parser.parse_known_args()
+    if args.from_report:
+        report = read_json(args.from_report)
+        print(summary_table(report, report["wall_seconds"], report["memory"]["peak_rss_mb"]))
+        return
     out = args.out or Path(tempfile.mkdtemp(prefix="hfcompress-summary-")) / "smollm2-lisa"
     argv = ["convert", "--out", str(out), "--overwrite", *convert_flags]
     sys.argv = ["hfcompress", *argv]  # the report records the command as the user would type it

@@ -60,6 +60,11 @@ def build_converted_model(
     return assemble(config, state, next(original.parameters()).dtype)
 
 
+def cast_floating(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor` in `dtype` if it holds floats; integer buffers (a sparse Align's head indices) stay as they are."""
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
 def assemble(config, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32, cls=None) -> nn.Module:
     """A model of `config` (LisaLlamaForCausalLM, or `cls`) holding exactly `state`, built on the meta device (no
     random weights allocated); RoPE buffers computed afresh. Every tensor must be in `state`."""
@@ -68,7 +73,7 @@ def assemble(config, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.
     with torch.device("meta"):
         model = cls(config)
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    result = model.load_state_dict({k: v.to(dtype) for k, v in state.items() if k not in tied}, strict=False, assign=True)
+    result = model.load_state_dict({k: cast_floating(v, dtype) for k, v in state.items() if k not in tied}, strict=False, assign=True)
     missing = sorted(set(result.missing_keys) - tied)
     if missing or result.unexpected_keys:
         raise HfcompressError(

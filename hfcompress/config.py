@@ -6,6 +6,7 @@ Checks that need the source's shapes (layer numbers, the low-rank Q/K rank) run 
 after the source's config.json is read and before calibration.
 """
 
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -91,8 +92,8 @@ class ConvertOptions:
         _at_least(self.seq_len, 16, "--seq-len")
         _at_least(self.eval_tokens, 2, "--eval-tokens")
         _at_least(self.eval_context, 16, "--eval-context")
-        if not self.max_ppl_increase >= 0:
-            raise HfcompressError(f"--max-ppl-increase must be a percentage >= 0, got {self.max_ppl_increase}.")
+        if not math.isfinite(self.max_ppl_increase):  # negative is allowed: the conversion must then improve it
+            raise HfcompressError(f"--max-ppl-increase must be a finite percentage, got {self.max_ppl_increase}.")
         check_text_option(self.calib_text, "calibration")
         check_text_option(self.eval_text, "evaluation")
         if self.push_to is not None:

@@ -224,6 +224,9 @@ class FascMethod(Method):
     def settings(self) -> dict:
         return {**asdict(self.options), "seed": self.seed}
 
+    def calibration_settings(self) -> dict:
+        return {k: v for k, v in self.settings().items() if k != "budget"}  # the ranks are planned from the spectra
+
     def gradient_linears(self, ctx: LayerContext) -> dict[str, torch.nn.Module]:
         return {f"{ctx.index}.{t}": ctx.layer.get_submodule(t) for t in self.options.targets}
 

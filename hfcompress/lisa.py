@@ -459,6 +459,9 @@ class LisaMethod(Method):
     def settings(self) -> dict:
         return {k: v for k, v in asdict(self.options).items() if k not in SELECTION_ONLY}
 
+    def calibration_settings(self) -> dict:
+        return {}  # the similarity depends on the model and the calibration text only; fits are keyed by settings()
+
     def check_model(self, config) -> None:
         self.config = config
 

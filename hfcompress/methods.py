@@ -58,7 +58,11 @@ class Method(ABC):
 
     @abstractmethod
     def settings(self) -> dict:
-        """Everything that changes what this method computes (cache keys)."""
+        """Everything that changes what this method computes (the convert pass's cache key)."""
+
+    def calibration_settings(self) -> dict:
+        """What changes its calibration results (the key of its directory in the cache)."""
+        return self.settings()
 
     def active(self) -> bool:
         """False when the options turn the method off: then the driver skips it entirely."""

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from . import __version__
-from .build import converted_config, count_parameters, refuse_existing_output, save_companion_files, write_output_dir
+from .build import cast_floating, converted_config, count_parameters, refuse_existing_output, save_companion_files, write_output_dir
 from .calibrate import cache_key, new_linear_stats, tensor_fingerprint, track_linear_stats
 from .card import write_card
 from .checkpoint import Checkpoint, check_checkpoint, open_checkpoint, pack_shards, save_tensors
@@ -148,7 +148,7 @@ class Run:
     def bind(self, methods: list[Method]) -> None:
         """Give every method its own directory, keyed by the settings that change what it computes."""
         for method in methods:
-            method.store = self.calib_dir / f"{method.name}-{cache_key(method.settings())}"
+            method.store = self.calib_dir / f"{method.name}-{cache_key(method.calibration_settings())}"
             method.store.mkdir(parents=True, exist_ok=True)
 
     def context(self, idx: int, layer: torch.nn.Module, hidden: torch.Tensor) -> LayerContext:
@@ -176,10 +176,10 @@ class Run:
 # ----------------------------------------------------------------------------------------------------- passes
 def forward_pass(run: Run, methods: list[Method]) -> None:
     """Saves every layer's input hidden states while the methods observe each layer; resumes at the first layer
-    not finished by every process."""
+    that some process or some method has not finished."""
     stream, processes = run.stream, run.processes
-    marks = [run.hidden_dir / f"forward-{idx}.done" for idx in range(stream.num_layers)]
-    start = processes.agreed_minimum(next((i for i, m in enumerate(marks) if not m.is_file()), len(marks)))
+    marks = [[run.hidden_dir / f"forward-{idx}.done"] + [run.process_dir(m.store) / f"observed-{idx}.done" for m in methods] for idx in range(stream.num_layers)]
+    start = processes.agreed_minimum(next((i for i, group in enumerate(marks) if not all(m.is_file() for m in group)), len(marks)))
     if start == stream.num_layers:
         return
     hidden = stream.embed(run.sequences) if start == 0 else run.hidden(start)
@@ -196,7 +196,8 @@ def forward_pass(run: Run, methods: list[Method]) -> None:
                 shutil.rmtree(run.calib_dir, ignore_errors=True)  # nothing broken stays cached
                 raise HfcompressError(f"Layer {idx} produced NaN/inf activations on the calibration text; its weights are broken.")
             save_atomic(hidden, run.hidden_dir / f"hidden-{idx + 1}.pt")
-            marks[idx].touch()
+            for mark in marks[idx]:
+                mark.touch()
             del layer, ctx
 
 
@@ -215,7 +216,7 @@ def backward_pass(run: Run, methods: list[Method]) -> None:
     if not methods:
         return
     stream, processes, seed = run.stream, run.processes, run.options.seed
-    grads_dir = run.process_dir(run.calib_dir / f"backward-{cache_key([m.store.name for m in methods])}")
+    grads_dir = run.process_dir(run.calib_dir / f"backward-{cache_key([m.store.name for m in methods])}")  # per stat set
     order = list(reversed(range(stream.num_layers)))
     done = processes.agreed_minimum(next((i for i, idx in enumerate(order) if not (grads_dir / f"grad-{idx}.pt").is_file()), len(order)))
     if done == len(order):
@@ -260,10 +261,11 @@ def backward_pass(run: Run, methods: list[Method]) -> None:
 
 
 def new_evaluation(run: Run, ids: torch.Tensor, max_tokens: int | None) -> Evaluation:
-    """This process's share of the windows of `ids`, embedded."""
+    """This process's share of the windows of `ids`, embedded: the original's embeddings, and the converted model's
+    as it will be saved (rounded to the saved dtype)."""
     mine = windows(ids, run.options.eval_context, max_tokens)[run.processes.index :: run.processes.count]
-    embedded = [run.stream.embed(w.unsqueeze(0)) for w in mine]
-    return Evaluation(mine, embedded, [e.clone() for e in embedded], [None] * len(mine))
+    embed = run.stream.embed
+    return Evaluation(mine, [embed(w.unsqueeze(0)) for w in mine], [embed(w.unsqueeze(0), run.saved_dtype) for w in mine], [None] * len(mine))
 
 
 def convert_pass(run: Run, methods: list[Method], evaluations: list[Evaluation], work: Path | None) -> list[Evaluation]:
@@ -287,7 +289,7 @@ def convert_pass(run: Run, methods: list[Method], evaluations: list[Evaluation],
         ctx = run.context(idx, layer, hidden)
         for method in methods:
             state = method.apply(ctx, state)
-        tensors = {k: v.detach().to("cpu", run.saved_dtype) for k, v in state.items()}
+        tensors = {k: cast_floating(v.detach().cpu(), run.saved_dtype) for k, v in state.items()}
         if work is not None and processes.is_main:
             save_tensors(tensors, work / f"layer-{idx:05d}.safetensors")
         converted = stream.build(config, idx, tensors)  # validated as saved: rounded to the saved dtype
@@ -304,13 +306,14 @@ def convert_pass(run: Run, methods: list[Method], evaluations: list[Evaluation],
 
 
 def finish_perplexity(run: Run, evaluation: Evaluation) -> tuple[PerplexityResult, PerplexityResult]:
-    """Perplexities of original and converted, NLL summed over all processes' windows."""
-    norm, lm_head = run.stream.head()
+    """Perplexities of original and converted (its head as saved), NLL summed over all processes' windows."""
     sums = torch.zeros(3, dtype=torch.float64)  # original NLL, converted NLL, tokens
-    with torch.no_grad():
-        for ids, original, converted in zip(evaluation.ids, evaluation.original, evaluation.converted):
-            nll = [token_nll(norm, lm_head, hidden[0], ids)[0] for hidden in (original, converted)]
-            sums += torch.tensor([*nll, len(ids) - 1], dtype=torch.float64)
+    sums[2] = sum(len(ids) - 1 for ids in evaluation.ids)
+    for i, (states, dtype) in enumerate(((evaluation.original, None), (evaluation.converted, run.saved_dtype))):
+        norm, lm_head = run.stream.head(dtype)  # one head at a time: a tied lm_head is the whole embedding matrix
+        with torch.no_grad():
+            sums[i] = sum(token_nll(norm, lm_head, hidden[0], ids)[0] for ids, hidden in zip(evaluation.ids, states))
+        del norm, lm_head
     run.processes.sum(sums)
     tokens, context = int(sums[2]), run.options.eval_context
     return tuple(PerplexityResult(math.exp(sums[i].item() / tokens), tokens, context, context) for i in (0, 1))
@@ -406,15 +409,15 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> Report:
         for method in active:
             method.plan(planner)
 
-    settings = [m.store.name for m in active], str(run.saved_dtype), options.eval_tokens, options.eval_context, tensor_fingerprint(eval_ids)
+    settings = [(m.name, m.settings()) for m in active], str(run.saved_dtype), options.eval_tokens, options.eval_context, tensor_fingerprint(eval_ids)
     work = run.calib_dir / f"convert-{cache_key(*settings)}"
     probe_ids = eval_ids[: min(RELOAD_PROBE_TOKENS, len(eval_ids))].unsqueeze(0)  # long enough for RoPE errors to show
-    reload_probe = Evaluation([probe_ids[0]], [run.stream.embed(probe_ids)], [run.stream.embed(probe_ids)], [None])
+    reload_probe = Evaluation([probe_ids[0]], [run.stream.embed(probe_ids)], [run.stream.embed(probe_ids, run.saved_dtype)], [None])
     with run.step("convert"):
         evaluation, reload_probe = convert_pass(run, active, [new_evaluation(run, eval_ids, options.eval_tokens), reload_probe], work)
     with run.step("validate: perplexity"):
         ppl_original, ppl_converted = finish_perplexity(run, evaluation)
-        norm, lm_head = run.stream.head()
+        norm, lm_head = run.stream.head(run.saved_dtype)
         with torch.no_grad():
             expected_logits = (norm(reload_probe.converted[0].to(run.device)) @ lm_head.T).cpu()
         del evaluation, reload_probe, norm, lm_head

@@ -81,7 +81,7 @@ class LayerStream:
         with torch.device("meta"):
             layer = self.modeling.LisaLlamaDecoderLayer(config, idx)
         prefix = f"model.layers.{idx}."
-        layer.load_state_dict({k.removeprefix(prefix): v.to(self.device, torch.float32) for k, v in state.items()}, assign=True)
+        layer.load_state_dict({k.removeprefix(prefix): _working(v, self.device) for k, v in state.items()}, assign=True)
         return layer.eval().requires_grad_(False)
 
     def original_layer(self, idx: int) -> nn.Module:
@@ -110,19 +110,30 @@ class LayerStream:
             passed.append(_move(handed, home) if handoff else None)
         return torch.cat(outputs), _concat(passed) if handoff else None
 
-    def head(self) -> tuple[nn.Module, torch.Tensor]:
-        """(final norm, lm_head weight) in float32 on the device; a tied lm_head is the embedding matrix."""
+    def head(self, rounded_to: torch.dtype | None = None) -> tuple[nn.Module, torch.Tensor]:
+        """(final norm, lm_head weight) in float32 on the device, optionally as saved in `rounded_to`; a tied lm_head is
+        the embedding matrix."""
         tied = self.config.tie_word_embeddings
         names = ["model.norm.weight", "model.embed_tokens.weight" if tied else "lm_head.weight"]
-        tensors = self.checkpoint.load(names)
+        tensors = {k: _rounded(v, rounded_to) for k, v in self.checkpoint.load(names).items()}
         norm = self.modeling.LlamaRMSNorm(self.config.hidden_size, eps=self.config.rms_norm_eps)
         norm.weight.data = tensors[names[0]].float()
         return norm.to(self.device).requires_grad_(False), tensors[names[1]].to(self.device, torch.float32)
 
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Input embeddings (float32, on the CPU: hidden states live there between layers)."""
+    def embed(self, ids: torch.Tensor, rounded_to: torch.dtype | None = None) -> torch.Tensor:
+        """Input embeddings (float32, on the CPU: hidden states live there between layers), optionally of the
+        embedding matrix as saved in `rounded_to`."""
         weight = self.checkpoint.load(["model.embed_tokens.weight"])["model.embed_tokens.weight"]
-        return nn.functional.embedding(ids, weight).float()
+        return nn.functional.embedding(ids, _rounded(weight, rounded_to)).float()
+
+
+def _working(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """float32 on `device` for floating tensors; integer buffers (a sparse Align's head indices) keep their dtype."""
+    return tensor.to(device, torch.float32) if tensor.is_floating_point() else tensor.to(device)
+
+
+def _rounded(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return tensor if dtype is None else tensor.to(dtype)
 
 
 def _part(value, part: slice):

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .build import assemble, cast_parameters
+from .build import assemble, cast_floating, cast_parameters
 from .checkpoint import Checkpoint, load_tensors, save_tensors
 from .errors import HfcompressError
 from .methods import Finisher
@@ -123,7 +123,7 @@ class WholeModelSteps:
         state = student.state_dict()
         for idx in range(config.num_hidden_layers):
             prefix = f"model.layers.{idx}."
-            save_tensors({k: v.to(run.saved_dtype) for k, v in state.items() if k.startswith(prefix)}, work / f"layer-{idx:05d}.safetensors")
+            save_tensors({k: cast_floating(v, run.saved_dtype) for k, v in state.items() if k.startswith(prefix)}, work / f"layer-{idx:05d}.safetensors")
         results.converted_perplexity = perplexity(
             student, eval_ids.to(device), options.eval_context, max_tokens=options.eval_tokens, label="perplexity: distilled"
         )
@@ -146,5 +146,5 @@ def converted_model(config, work: Path, layer_files: list[str], share_with: nn.M
     for name in layer_files:
         for key, tensor in load_tensors(work / name).items():
             same = key in shared and shared[key].shape == tensor.shape
-            state[key] = shared[key] if same else tensor.float()
+            state[key] = shared[key] if same else cast_floating(tensor, torch.float32)
     return assemble(config, state)

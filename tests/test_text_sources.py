@@ -20,7 +20,8 @@ from typer.testing import CliRunner
 
 import hfcompress.text as text_module
 from hfcompress.cli import app
-from hfcompress.convert import ConvertOptions, prepare
+from hfcompress.config import ConvertOptions
+from hfcompress.pipeline import Run, fetch
 from hfcompress.text import BUILTIN_TEXT_NAME, WIKITEXT_CONFIG, WIKITEXT_REPO, builtin_text, load_text
 
 runner = CliRunner()
@@ -123,12 +124,13 @@ def test_convert_and_eval_use_wikitext2_when_the_hub_answers(wikitext_hub, hub_e
     assert report["validation"]["eval_text"] == test_name
     assert test_name in (out / "README.md").read_text()
 
-    builtin = prepare(ConvertOptions(
+    run = Run(ConvertOptions(
         source=str(tiny_llama_dir), out=tmp_path / "unused", calib_text="builtin", eval_text="builtin", calib_sequences=4,
         seq_len=64, cache_dir=tmp_path / "cache",
-    ))
+    ), argv=None)
+    builtin = fetch(run, [])
     assert (builtin.calib_name, builtin.eval_name) == (f"{BUILTIN_TEXT_NAME}, first 75%", f"{BUILTIN_TEXT_NAME}, held-out last 25%")
-    assert str(builtin.cache) != report["calibration"]["cache_dir"]  # same model and settings, other text: other cache
+    assert str(run.calib_dir) != report["calibration"]["cache_dir"]  # same model and settings, other text: other cache
 
     proc = cli(["eval", str(out), "--eval-tokens", "512", "--no-speed", "--no-probe", "--json", str(tmp_path / "e.json")], env)
     assert proc.returncode == 0, proc.stderr[-3000:]

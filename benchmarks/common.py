@@ -1,0 +1,48 @@
+"""The in-memory setup the research benchmarks share: a loaded source model, its calibration and evaluation tokens,
+and its attention inputs, similarity and FASC statistics (cached like the pipeline's own).
+
+The conversion itself streams layer by layer (hfcompress/pipeline.py); these scripts load SmolLM2 whole to compare
+variants of one step quickly, with the library's in-memory functions (lisa.fit_lisa, fasc.compress_linears,
+build.build_converted_model).
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hfcompress.calibrate import cache_key, collect_attention_inputs, collect_linear_stats, load_or_compute, tensor_fingerprint
+from hfcompress.config import ConvertOptions
+from hfcompress.lisa import measure_similarity
+from hfcompress.pipeline import token_streams
+from hfcompress.source import load_source, resolve_source, source_identity
+
+
+@dataclass
+class Prepared:
+    model: torch.nn.Module
+    tokenizer: object
+    sequences: torch.Tensor  # (N, T) calibration sequences
+    eval_ids: torch.Tensor  # held-out tokens for perplexity
+    cache: Path
+
+    def attention_inputs(self) -> list[torch.Tensor]:
+        return load_or_compute(self.cache / "attention_inputs.pt", lambda: collect_attention_inputs(self.model, self.sequences))
+
+    def similarity(self, attn_inputs: list[torch.Tensor]) -> list:
+        return load_or_compute(self.cache / "similarity.pt", lambda: measure_similarity(self.model, attn_inputs))
+
+    def linear_stats(self, targets: tuple[str, ...], seed: int) -> dict:
+        names = [f"{i}.{t}" for i in range(self.model.config.num_hidden_layers) for t in targets]
+        return load_or_compute(
+            self.cache / f"linear_stats-{cache_key(sorted(names), seed)}.pt",
+            lambda: collect_linear_stats(self.model, self.sequences, names, seed=seed),
+        )
+
+
+def prepare(options: ConvertOptions) -> Prepared:
+    source = resolve_source(options.source, options.revision, None, options.trust_remote_code)
+    model, tokenizer = load_source(source)
+    sequences, eval_ids, _, _, _ = token_streams(options, tokenizer)
+    cache = options.cache_dir / "benchmarks" / cache_key(source_identity(source), tensor_fingerprint(sequences))
+    return Prepared(model, tokenizer, sequences, eval_ids, cache)

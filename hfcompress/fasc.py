@@ -15,6 +15,7 @@ gradients independent). With random unit probes u, v we measure
 
 import math
 from dataclasses import asdict, dataclass, replace
+
 import torch
 
 from .calibrate import LinearStats

@@ -25,7 +25,6 @@ from .methods import LayerContext, Method, Planner, register
 from .progress import console, progress_bar
 from .remote import import_remote
 
-
 DEFAULT_SHARE_RATIO = 0.2
 
 
@@ -235,6 +234,14 @@ def lowrank_rank(config, qk_compression: float) -> int:
 
 
 ALIGN_KINDS = ("dense", "sparse", "identity")
+# Named variants benchmarks/lisa_ablations.py compares (LisaOptions overrides; each is also a set of CLI flags)
+ABLATIONS = {
+    "direct": dict(align="identity", lowrank=False),  # previous scores copied head for head, nothing trained
+    "align only": dict(align="dense", lowrank=False),
+    "dense + low-rank": dict(align="dense"),  # the default
+    "linear + low-rank": dict(align="dense", align_hidden=0),
+    "sparse + low-rank": dict(align="sparse"),
+}
 SELECTION_ONLY = ("share_ratio", "layers", "protect_first", "ppl_budget")  # LisaOptions that do not change a fit
 
 

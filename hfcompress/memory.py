@@ -26,3 +26,14 @@ def return_freed_memory() -> None:
     except OSError:
         return
     libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
+
+
+def available_memory(device) -> int:
+    """Bytes free for new tensors: the CUDA device's free memory, or the system's MemAvailable."""
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["MemAvailable"].split()[0]) * 1024

@@ -12,7 +12,8 @@ and calls every registered method at fixed points; it never knows what a method 
     report()                  its section of hfcompress_report.json and of the card
 
 Finishers (distillation) run afterwards on the whole converted model, if it fits: `finish(student, teacher,
-sequences)`. A new method is a class here plus its module; the driver does not change.
+sequences)`. A new method is a class in its own module, registered with @register and imported by registry.py;
+the driver does not change.
 """
 
 from abc import ABC, abstractmethod
@@ -125,12 +126,3 @@ def register(cls):
     """Class decorator: makes a Method or Finisher known to the driver under its `name`."""
     (METHODS if issubclass(cls, Method) else FINISHERS)[cls.name] = cls
     return cls
-
-
-def build_methods(options) -> tuple[list[Method], list[Finisher]]:
-    """Every registered method, built from `options` (ConvertOptions), and the finishers the options turn on."""
-    from . import distill, fasc, lisa  # noqa: F401  (importing a module registers its units)
-
-    methods = [cls.from_options(options) for cls in sorted(METHODS.values(), key=lambda cls: cls.order)]
-    finishers = [f for f in (cls.from_options(options) for cls in FINISHERS.values()) if f is not None]
-    return methods, finishers

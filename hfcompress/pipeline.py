@@ -24,23 +24,31 @@ import shutil
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from . import __version__
-from .build import cast_floating, converted_config, count_parameters, refuse_existing_output, save_companion_files, write_output_dir
+from .build import (
+    cast_floating,
+    converted_config,
+    count_parameters,
+    refuse_existing_output,
+    save_companion_files,
+    write_output_dir,
+)
 from .calibrate import cache_key, new_linear_stats, tensor_fingerprint, track_linear_stats
 from .card import write_card
 from .checkpoint import Checkpoint, check_checkpoint, open_checkpoint, pack_shards, save_tensors
 from .config import ConvertOptions, resolve_device
 from .errors import GATE_FAILED_EXIT, HfcompressError
 from .memory import peak_memory, return_freed_memory
-from .methods import Finisher, LayerContext, Method, Planner, build_methods
+from .methods import LayerContext, Method, Planner
 from .plots import write_plots
 from .progress import console, progress_bar
 from .push import push_folder, require_token
+from .registry import build_methods
 from .report import Report, Validation
 from .source import ResolvedSource, load_tokenizer, resolve_source, source_identity
 from .speed import hardware_description
@@ -397,7 +405,7 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> Report:
         fetched = fetch(run, methods, token)
     source, tokenizer, checkpoint, source_config = fetched.source, fetched.tokenizer, fetched.checkpoint, fetched.source_config
     sequences, eval_ids, selection_ids = fetched.sequences, fetched.eval_ids, fetched.selection_ids
-    whole = WholeModelSteps.decide(options, checkpoint, finishers, processes.count, run.device)
+    whole = WholeModelSteps.decide(options, checkpoint, finishers, run.device)
 
     calibrate(run, active)
 

@@ -4,8 +4,8 @@ import os
 import platform
 import statistics
 import time
-from pathlib import Path
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from torch import nn

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .errors import HfcompressError
+from .memory import available_memory
 from .progress import progress_bar
 
 
@@ -136,8 +137,6 @@ MAX_RELOAD_DIFF = 1e-4
 def verify_written(directory: Path, ids: torch.Tensor, expected: torch.Tensor, float32_bytes: int) -> dict:
     """Load the written output as a user would, in a fresh process, and require the logits the conversion computed
     (within 1e-4); a model too large for a float32 reload here is checked for layout instead."""
-    from .wholemodel import available_memory
-
     if float32_bytes >= RELOAD_MEMORY_FRACTION * available_memory(torch.device("cpu")):
         return check_structure(directory)
     cls, logits = reload_in_fresh_process(directory, ids)

@@ -18,6 +18,7 @@ from torch import nn
 from .build import assemble, cast_floating, cast_parameters
 from .checkpoint import Checkpoint, load_tensors, save_tensors
 from .errors import HfcompressError
+from .memory import available_memory
 from .methods import Finisher
 from .probe import run_probe
 from .progress import console
@@ -26,14 +27,6 @@ from .validate import perplexity
 
 MEMORY_FRACTION = 0.8  # of the memory free when the run starts
 FOOTPRINT = {"probe": 1.3, "speed": 1.3, "distill": 3.5}  # multiples of the float32 model each step needs
-
-
-def available_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    with open("/proc/meminfo") as f:
-        fields = dict(line.split(":", 1) for line in f)
-    return int(fields["MemAvailable"].split()[0]) * 1024
 
 
 @dataclass
@@ -55,7 +48,7 @@ class WholeModelSteps:
     skipped: dict[str, str]
 
     @classmethod
-    def decide(cls, options, checkpoint: Checkpoint, finishers: list[Finisher], processes: int, device: torch.device) -> "WholeModelSteps":
+    def decide(cls, options, checkpoint: Checkpoint, finishers: list[Finisher], device: torch.device) -> "WholeModelSteps":
         model_bytes, available = checkpoint.float32_bytes(), available_memory(device)
 
         def fits(step: str) -> bool:

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from tiny_models import save_tiny_llama
 
 import hfcompress.pipeline as pipeline
 from hfcompress.config import ConvertOptions, DistillOptions
 from hfcompress.errors import HfcompressError
 from hfcompress.fasc import FascOptions
 from hfcompress.lisa import LisaOptions
-from tiny_models import save_tiny_llama
 
 SETTINGS = dict(
     calib_sequences=8, seq_len=64, eval_tokens=512, probe=False, speed=False, max_ppl_increase=1000.0,
@@ -195,14 +195,15 @@ def test_whole_model_steps_skip_by_default_and_refuse_when_asked(tiny, tmp_path,
     assert calibrated == []
     monkeypatch.setattr(pipeline, "calibrate", lambda *a: None)
     report_skipped = wholemodel.WholeModelSteps.decide(
-        ConvertOptions(source=str(tiny), out=tmp_path / "c"), pipeline.Checkpoint(tiny, "tiny"), [], 1, torch.device("cpu")
+        ConvertOptions(source=str(tiny), out=tmp_path / "c"), pipeline.Checkpoint(tiny, "tiny"), [], torch.device("cpu")
     ).describe()
     assert report_skipped["ran"] == [] and set(report_skipped["skipped"]) == {"probe", "speed"}
 
 
 def test_methods_are_registered_units():
     """The driver sees methods only through the registry; LISA and FASC own their names and report sections."""
-    from hfcompress.methods import FINISHERS, METHODS, build_methods
+    from hfcompress.methods import FINISHERS, METHODS
+    from hfcompress.registry import build_methods
 
     methods, finishers = build_methods(ConvertOptions(source="x", out=Path("y"), fasc=FascOptions(budget=0.5)))
     assert [m.name for m in methods] == ["lisa", "fasc"] and set(METHODS) == {"lisa", "fasc"}

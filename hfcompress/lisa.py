@@ -14,7 +14,6 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -376,16 +375,11 @@ def fit_lisa(
     chosen: list[int],
     similarity: list[LayerSimilarity],
     options: LisaOptions,
-    cache_dir: Path | None = None,
 ) -> list[FittedLayer]:
-    """Fit every chosen layer in depth order, anchoring each on the converted layers below it.
-
-    With `cache_dir`, each finished layer is saved as it completes: an interrupted fit resumes at the next layer,
-    and a search that tries several layer sets reuses every fit whose chain below it is the same."""
+    """In memory (research scripts, tests): fit every chosen layer of a loaded model in depth order, anchoring each
+    on the converted layers below it, as LisaMethod does layer by layer in the pipeline."""
     if not chosen:
         return []
-    if options.align not in ALIGN_KINDS:
-        raise HfcompressError(f"Unknown LISA align '{options.align}': choose one of {', '.join(ALIGN_KINDS)}.")
     rank = lowrank_rank(model.config, options.qk_compression) if options.lowrank else 0
     matching = {s.layer: s.matching for s in similarity}
     layers = model.model.layers
@@ -395,19 +389,9 @@ def fit_lisa(
     prev_scores = None
     for idx in progress_bar(range(chosen[-1] + 1), "lisa: fit shared layers"):
         if idx in chosen:
-
-            def fit_one(idx: int = idx, prev_scores: torch.Tensor | None = prev_scores) -> FittedLayer:
-                return fit_shared_layer(
-                    model.config, layers[idx].self_attn, cos_sin, idx, attn_inputs[idx], prev_scores, matching[idx], rank, options
-                )[1]
-
-            if cache_dir is None:
-                record = fit_one()
-            else:  # a layer's fit depends only on the shared layers up to it (its anchors) and the options
-                below = [layer for layer in chosen if layer <= idx]
-                settings = {k: v for k, v in asdict(options).items() if k not in SELECTION_ONLY}
-                record = load_or_compute(cache_dir / f"lisa-layer-{cache_key(below, settings)}.pt", fit_one)
-            module = shared_attention(model.config, record)
+            module, record = fit_shared_layer(
+                model.config, layers[idx].self_attn, cos_sin, idx, attn_inputs[idx], prev_scores, matching[idx], rank, options
+            )
             converted[idx] = module
             fitted.append(record)
         if idx + 1 in chosen:  # the next layer anchors on this one's (converted) scores

@@ -207,6 +207,7 @@ def forward_pass(run: Run, methods: list[Method]) -> None:
             for mark in marks[idx]:
                 mark.touch()
             del layer, ctx
+    processes.wait()  # the main process's last observations are on disk before anyone plans from them
 
 
 def _sum_stats(stats: dict, processes: Processes) -> None:
@@ -327,6 +328,15 @@ def finish_perplexity(run: Run, evaluation: Evaluation) -> tuple[PerplexityResul
     return tuple(PerplexityResult(math.exp(sums[i].item() / tokens), tokens, context, context) for i in (0, 1))
 
 
+def refuse_non_finite(original: PerplexityResult, converted: PerplexityResult) -> None:
+    for name, ppl in (("source", original), ("converted", converted)):
+        if not math.isfinite(ppl.perplexity):  # NaN would slip through the gate comparison as "failed"
+            raise HfcompressError(
+                f"The {name} model's perplexity is {ppl.perplexity} (NaN/inf logits on the evaluation text): its "
+                "weights overflow; nothing was written."
+            )
+
+
 def selection_scorer(run: Run, selection_ids: torch.Tensor):
     """Perplexity of a candidate plan (methods planned alone) on calibration text that no fit saw; [] = original."""
     cache: dict = {}
@@ -429,6 +439,7 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> Report:
         with torch.no_grad():
             expected_logits = (norm(reload_probe.converted[0].to(run.device)) @ lm_head.T).cpu()
         del evaluation, reload_probe, norm, lm_head
+    refuse_non_finite(ppl_original, ppl_converted)
 
     entries = {k: v for m in active for k, v in m.config_entries().items()}
     config = converted_config(source_config, entries)
@@ -445,12 +456,7 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> Report:
         finished, probe, speed = results.finished, results.probe, results.speed
         if results.converted_perplexity is not None:  # a finisher changed the weights: score the result again
             ppl_converted, expected_logits = results.converted_perplexity, results.expected_logits
-    for name, ppl in (("source", ppl_original), ("converted", ppl_converted)):
-        if not math.isfinite(ppl.perplexity):  # NaN would slip through the gate comparison as "failed"
-            raise HfcompressError(
-                f"The {name} model's perplexity is {ppl.perplexity} (NaN/inf logits on the evaluation text): its "
-                "weights overflow; nothing was written."
-            )
+            refuse_non_finite(ppl_original, ppl_converted)
     increase = 100.0 * (ppl_converted.perplexity / ppl_original.perplexity - 1.0)
     gate_passed = increase <= options.max_ppl_increase
     gate_message = (

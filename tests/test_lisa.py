@@ -38,37 +38,3 @@ def test_perplexity_search_takes_the_most_layers_within_budget(limit, expected):
     assert len(calls) <= 3  # log2(6 + 1) probes, not one per count
     assert all(p["within_budget"] == (p["perplexity"] <= limit) for p in probes)
     assert all(p["layers"] == sorted(ranked[: p["count"]]) for p in probes)
-
-
-def test_interrupted_fit_resumes_at_the_next_layer(tiny_llama_dir, tmp_path, monkeypatch):
-    import torch
-    from transformers import LlamaForCausalLM
-
-    from hfcompress import lisa
-    from hfcompress.calibrate import collect_attention_inputs
-
-    model = LlamaForCausalLM.from_pretrained(tiny_llama_dir).eval().requires_grad_(False)
-    sequences = torch.randint(3, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
-    inputs = collect_attention_inputs(model, sequences)
-    similarity = lisa.measure_similarity(model, inputs)
-    options = LisaOptions(steps=5, batch_size=2)
-    chosen = [1, 2, 3]
-    uninterrupted = lisa.fit_lisa(model, inputs, chosen, similarity, options)
-
-    real_fit, fitted_layers = lisa.fit_shared_layer, []
-
-    def fit_then_crash_at_layer_3(model, layer_idx, *args):
-        if layer_idx == 3 and not fitted_layers.count("resumed"):
-            raise KeyboardInterrupt
-        fitted_layers.append(layer_idx)
-        return real_fit(model, layer_idx, *args)
-
-    monkeypatch.setattr(lisa, "fit_shared_layer", fit_then_crash_at_layer_3)
-    with pytest.raises(KeyboardInterrupt):
-        lisa.fit_lisa(model, inputs, chosen, similarity, options, cache_dir=tmp_path)
-    assert fitted_layers == [1, 2] and len(list(tmp_path.glob("lisa-layer-*.pt"))) == 2
-    fitted_layers.append("resumed")
-    resumed = lisa.fit_lisa(model, inputs, chosen, similarity, options, cache_dir=tmp_path)
-    assert fitted_layers == [1, 2, "resumed", 3]  # layers 1 and 2 came from the cache
-    for a, b in zip(uninterrupted, resumed):
-        assert a.layer == b.layer and all(torch.allclose(a.state[k], b.state[k], atol=1e-6) for k in a.state)

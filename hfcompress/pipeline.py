@@ -427,8 +427,8 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> Report:
         for method in active:
             method.plan(planner)
 
-    settings = [(m.name, m.settings()) for m in active], str(run.saved_dtype), options.eval_tokens, options.eval_context, tensor_fingerprint(eval_ids)
-    work = run.calib_dir / f"convert-{cache_key(*settings)}"
+    plan = [(m.name, m.settings(), m.config_entries()) for m in active]  # what each method computes and chose
+    work = run.calib_dir / f"convert-{cache_key(plan, str(run.saved_dtype), options.eval_tokens, options.eval_context, tensor_fingerprint(eval_ids))}"
     probe_ids = eval_ids[: min(RELOAD_PROBE_TOKENS, len(eval_ids))].unsqueeze(0)  # long enough for RoPE errors to show
     reload_probe = Evaluation([probe_ids[0]], [run.stream.embed(probe_ids)], [run.stream.embed(probe_ids, run.saved_dtype)], [None])
     with run.step("convert"):

@@ -214,3 +214,17 @@ def test_methods_are_registered_units():
 
     source = inspect.getsource(pipeline)
     assert "lisa" not in source.lower().replace("lisallama", "") and "fasc" not in source.lower()
+
+
+def test_a_new_plan_in_the_same_cache_converts_afresh(tiny, tmp_path):
+    """The convert pass's resume key includes the plan: another layer choice never picks up the layer files of an
+    earlier conversion with the same cache and settings."""
+    cache = tmp_path / "cache"
+    for layers in ([1], [2]):
+        settings = {**SETTINGS, "lisa": LisaOptions(layers=layers, steps=5), "fasc": FascOptions()}
+        out = tmp_path / f"out-{layers[0]}"
+        pipeline.convert(ConvertOptions(source=str(tiny), out=out, cache_dir=cache, **settings), argv=[])
+        assert list(json.loads((out / "config.json").read_text())["lisa_layers"]) == [str(layers[0])]
+        names = set(weights(out))
+        assert f"model.layers.{layers[0]}.self_attn.q_lowrank.weight" in names
+        assert f"model.layers.{3 - layers[0]}.self_attn.q_proj.weight" in names

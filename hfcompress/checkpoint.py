@@ -18,7 +18,7 @@ import torch
 from .calibrate import cache_key
 from .errors import HfcompressError
 from .progress import console, progress_bar
-from .source import ResolvedSource, load_source, source_identity
+from .source import ResolvedSource, source_identity
 
 
 def _first_line(err: BaseException, limit: int = 200) -> str:
@@ -85,19 +85,67 @@ def open_checkpoint(source: ResolvedSource, cache_dir: Path):
     if not source.gguf_file:
         return Checkpoint(Path(source.path), source.name), LlamaConfig.from_pretrained(source.path)
     directory = gguf_cache_dir(source, cache_dir)
-    if not (directory / "model.safetensors").is_file() or not (directory / "config.json").is_file():
-        from safetensors.torch import save_file
-
-        console.log(f"dequantising {source.gguf_file} once into {directory} (float32 safetensors)")
-        model, _ = load_source(source)  # transformers' own GGUF loader: names, q/k permutation, dequantisation
-        state = {k: v for k, v in model.state_dict().items() if not (model.config.tie_word_embeddings and k == "lm_head.weight")}
-        directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / "model.partial"
-        save_file({k: v.contiguous() for k, v in state.items()}, tmp, metadata={"format": "pt"})
-        model.config.save_pretrained(directory)  # config.json first: the weights' rename marks the entry complete
-        tmp.replace(directory / "model.safetensors")
-        del model, state
+    if not (directory / "config.json").is_file():
+        dequantise_gguf(Path(source.path) / source.gguf_file, directory)
     return Checkpoint(directory, source.name), LlamaConfig.from_pretrained(directory)
+
+
+def dequantise_gguf(path: Path, directory: Path) -> None:
+    """Write a GGUF's tensors as float32 safetensors files in `directory`, one group of tensors at a time.
+
+    transformers' GGUF loader maps the names and undoes llama.cpp's q/k permutation (its tensor processor); it would
+    hold every dequantised tensor at once, so its per-tensor steps are driven here and each layer's tensors are
+    written as soon as the GGUF moves on to the next layer. The directory appears complete or not at all."""
+    import shutil
+
+    import numpy as np
+    from gguf import GGUFReader, dequantize
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+        load_gguf_checkpoint,
+        read_field,
+    )
+
+    console.log(f"dequantising {path.name} once into {directory} (float32 safetensors)")
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    parsed = load_gguf_checkpoint(str(path), return_tensors=False)  # its config fields, for the tensor processor
+    parsed["tensors"] = {}
+    reader = GGUFReader(str(path))
+    processor = TENSOR_PROCESSORS.get(read_field(reader, "general.architecture")[0], TensorProcessor)(config=parsed["config"])
+    with torch.device("meta"):
+        mapping = get_gguf_hf_weights_map(LlamaForCausalLM(config), processor)
+    tmp = directory.with_name(directory.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    group, group_key, written = {}, None, 0
+
+    def flush() -> None:
+        nonlocal written
+        if group:
+            save_file(group, tmp / f"part-{written:05d}.safetensors", metadata={"format": "pt"})
+            written += 1
+            group.clear()
+
+    for tensor in progress_bar(reader.tensors, "fetch: dequantise the GGUF"):
+        result = processor.process(
+            weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name, tensor_key_mapping=mapping, parsed_parameters=parsed
+        )
+        if result.name not in mapping:
+            continue
+        name = mapping[result.name]
+        key = ".".join(name.split(".")[:3]) if name.startswith("model.layers.") else "rest"
+        if key != group_key:
+            flush()
+            group_key = key
+        group[name] = torch.from_numpy(np.array(result.weights, dtype=np.float32))  # a writable copy
+    flush()
+    config.save_pretrained(tmp)
+    shutil.rmtree(directory, ignore_errors=True)
+    tmp.rename(directory)
 
 
 def expected_shapes(config) -> dict[str, list[int]]:

@@ -166,19 +166,6 @@ def _write_failure(out_dir: Path, err: OSError) -> str:
     return f"Cannot write {out_dir}: {err.strerror or err}{where}; {kept}: check permissions and free space, then rerun."
 
 
-def save_model_files(
-    model: nn.Module, tokenizer, generation_config, directory: Path, dtype: torch.dtype = torch.float32
-) -> None:
-    """Weights (safetensors, in `dtype`), config with auto_map, remote-code files, tokenizer, generation config."""
-    working_dtype = next(model.parameters()).dtype
-    cast_parameters(model, dtype)
-    try:
-        model.save_pretrained(directory, safe_serialization=True)
-    finally:
-        cast_parameters(model, working_dtype)  # the reload check compares against the (already rounded) working copy
-    save_companion_files(tokenizer, generation_config, directory)
-
-
 def cast_parameters(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """Parameters to `dtype`, in place; buffers such as the RoPE frequencies stay as they are.
 

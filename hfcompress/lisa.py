@@ -492,8 +492,9 @@ class LisaMethod(Method):
             limit = base * (1 + options.ppl_budget / 100)
 
             def perplexity_of(layers: list[int]) -> float:
-                variant = LisaMethod(options, layers)
+                variant = LisaMethod(options, layers)  # the same method with this candidate's layers
                 variant.similarity, variant.store = similarity, self.store
+                variant.plan(planner)
                 return planner.selection_perplexity([variant])
 
             self.chosen, probes = search_layers_by_perplexity(ranked_candidates(similarity, options), perplexity_of, limit)

@@ -36,7 +36,6 @@ class LayerContext:
     attention_input: Callable[[], torch.Tensor]  # every process's calibration inputs of self_attn, (N, T, d), lazily
     cos_sin: Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # RoPE (cos, sin) for a sequence length, on device
     previous: Callable[[], "LayerContext | None"]  # the layer below (rebuilt on demand, e.g. when a pass resumes)
-    all_reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t  # sum over data-parallel processes
     is_main: bool = True
 
 

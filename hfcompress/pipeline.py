@@ -177,7 +177,7 @@ class Run:
 
         return LayerContext(
             index=idx, num_layers=stream.num_layers, layer=layer, device=self.device, attention_input=attention_input,
-            cos_sin=stream.cos_sin, previous=previous, all_reduce=processes.sum, is_main=processes.is_main,
+            cos_sin=stream.cos_sin, previous=previous, is_main=processes.is_main,
         )
 
 

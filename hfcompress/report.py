@@ -55,7 +55,3 @@ class Report:
 
     def save(self, directory: Path) -> None:
         (Path(directory) / REPORT_FILE).write_text(json.dumps(self.to_dict(), indent=2, default=str))
-
-
-def read_report(directory: Path) -> dict:
-    return json.loads((Path(directory) / REPORT_FILE).read_text())

@@ -6,8 +6,8 @@
                  memory), converted with --dtype bfloat16; prints wall time and peak memory, then deletes the ~13 GB
                  of weights and the output.
 
-  python benchmarks/layer_by_layer.py smollm2 --workdir /tmp/lbl-bench
-  python benchmarks/layer_by_layer.py llama7b-shape --workdir /tmp/lbl-7b
+  python benchmarks/streaming.py smollm2 --workdir /tmp/lbl-bench
+  python benchmarks/streaming.py llama7b-shape --workdir /tmp/lbl-7b
 """
 
 import argparse
@@ -48,7 +48,7 @@ def smollm2(workdir: Path) -> None:
     cache = workdir / "cache"
     shutil.rmtree(cache, ignore_errors=True)
     report, seconds, rss = convert("smollm2-135m-instruct", workdir / "smollm2-lisa", [], cache)
-    float32_file = sum(f.stat().st_size for f in cache.glob("gguf-*/model.safetensors"))
+    float32_file = sum(f.stat().st_size for f in cache.glob("gguf-*/*.safetensors"))
     validation = report["validation"]
     print("\n| peak RSS (tool, MB) | peak RSS (wait4, MB) | float32 model file (MB) | ratio | wall s | perplexity | LISA layers |")
     print("|---|---|---|---|---|---|---|")

@@ -91,7 +91,8 @@ class WholeModelSteps:
                 self._distill(run, original, config, work, layer_files, eval_ids, probe_ids, results)
         if self.probe:
             with run.step("validate: factual probe (original)"):
-                results.probe["original"] = _probe_record(run_probe(original, tokenizer))
+                results.probe["original"] = _probe_record(run_probe(original.to(run.device), tokenizer))
+                original.to("cpu")
         if self.speed:
             with run.step("validate: speed"):
                 view = converted_model(config, work, layer_files, share_with=original)
@@ -101,7 +102,7 @@ class WholeModelSteps:
         del original
         if self.probe:
             with run.step("validate: factual probe (converted)"):
-                converted = converted_model(config, work, layer_files)
+                converted = converted_model(config, work, layer_files).to(run.device)
                 results.probe["converted"] = _probe_record(run_probe(converted, tokenizer))
                 del converted
         return results

@@ -1,4 +1,4 @@
-"""The method interface: what a compression method (LISA, FASC, ...) gives the driver, and the registry.
+"""The method interface: what a compression method (LISA, FASC, ...) gives the driver, and its registration.
 
 A method is a unit in the spirit of llm-compressor's modifiers. The driver (pipeline.py) streams decoder layers
 and calls every registered method at fixed points; it never knows what a method does:
@@ -43,7 +43,7 @@ class LayerContext:
 class Planner:
     """What a method's plan step may use: the model's config and a scorer of candidate plans."""
 
-    config: Any  # the source model's config (LlamaConfig)
+    config: Any  # the original model's config in the converted classes (a LisaLlamaConfig converting nothing)
     num_layers: int
     # perplexity of the streamed conversion by `methods` alone, on calibration text the fits never saw
     selection_perplexity: Callable[[list["Method"]], float] | None = None
@@ -55,6 +55,11 @@ class Method(ABC):
     order: int  # methods apply in this order, lowest first
     needs_gradients: bool = False
     store: Path | None = None  # its own directory in the calibration cache, set by the driver before any pass
+
+    @classmethod
+    @abstractmethod
+    def from_options(cls, options) -> "Method":
+        """The method configured by ConvertOptions (its own section of them)."""
 
     @abstractmethod
     def settings(self) -> dict:
@@ -111,6 +116,11 @@ class Finisher(ABC):
     """A step on the whole converted model after the streamed conversion (distillation from the original)."""
 
     name: str
+
+    @classmethod
+    @abstractmethod
+    def from_options(cls, options) -> "Finisher | None":
+        """The finisher configured by ConvertOptions, or None when the options turn it off."""
 
     @abstractmethod
     def finish(self, student: nn.Module, teacher: nn.Module, sequences: torch.Tensor) -> tuple[nn.Module, dict]:

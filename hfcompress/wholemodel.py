@@ -23,7 +23,7 @@ from .methods import Finisher
 from .probe import run_probe
 from .progress import console
 from .speed import measure_speed
-from .validate import perplexity
+from .validate import PerplexityResult, perplexity
 
 MEMORY_FRACTION = 0.8  # of the memory free when the run starts
 FOOTPRINT = {"probe": 1.3, "speed": 1.3, "distill": 3.5}  # multiples of the float32 model each step needs
@@ -35,7 +35,7 @@ class WholeModelResults:
     probe: dict = field(default_factory=dict)
     speed: dict | None = None
     expected_logits: torch.Tensor | None = None  # of the finished model on the reload prompt
-    converted_perplexity: object = None  # PerplexityResult of the finished model
+    converted_perplexity: PerplexityResult | None = None  # of the finished model
 
 
 @dataclass

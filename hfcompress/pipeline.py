@@ -190,7 +190,7 @@ def forward_pass(run: Run, methods: list[Method]) -> None:
     start = processes.agreed_minimum(next((i for i, group in enumerate(marks) if not all(m.is_file() for m in group)), len(marks)))
     if start == stream.num_layers:
         return
-    hidden = stream.embed(run.sequences) if start == 0 else run.hidden(start)
+    hidden = stream.embed([run.sequences])[0] if start == 0 else run.hidden(start)
     if start == 0:
         save_atomic(hidden, run.hidden_dir / "hidden-0.pt")
     with torch.no_grad():
@@ -273,8 +273,8 @@ def new_evaluation(run: Run, ids: torch.Tensor, max_tokens: int | None) -> Evalu
     """This process's share of the windows of `ids`, embedded: the original's embeddings, and the converted model's
     as it will be saved (rounded to the saved dtype)."""
     mine = windows(ids, run.options.eval_context, max_tokens)[run.processes.index :: run.processes.count]
-    embed = run.stream.embed
-    return Evaluation(mine, [embed(w.unsqueeze(0)) for w in mine], [embed(w.unsqueeze(0), run.saved_dtype) for w in mine], [None] * len(mine))
+    batches = [w.unsqueeze(0) for w in mine]
+    return Evaluation(mine, run.stream.embed(batches), run.stream.embed(batches, run.saved_dtype), [None] * len(mine))
 
 
 def convert_pass(run: Run, methods: list[Method], evaluations: list[Evaluation], work: Path | None) -> list[Evaluation]:
@@ -430,7 +430,7 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> Report:
     plan = [(m.name, m.settings(), m.config_entries()) for m in active]  # what each method computes and chose
     work = run.calib_dir / f"convert-{cache_key(plan, str(run.saved_dtype), options.eval_tokens, options.eval_context, tensor_fingerprint(eval_ids))}"
     probe_ids = eval_ids[: min(RELOAD_PROBE_TOKENS, len(eval_ids))].unsqueeze(0)  # long enough for RoPE errors to show
-    reload_probe = Evaluation([probe_ids[0]], [run.stream.embed(probe_ids)], [run.stream.embed(probe_ids, run.saved_dtype)], [None])
+    reload_probe = Evaluation([probe_ids[0]], run.stream.embed([probe_ids]), run.stream.embed([probe_ids], run.saved_dtype), [None])
     with run.step("convert"):
         evaluation, reload_probe = convert_pass(run, active, [new_evaluation(run, eval_ids, options.eval_tokens), reload_probe], work)
     with run.step("validate: perplexity"):

@@ -120,11 +120,11 @@ class LayerStream:
         norm.weight.data = tensors[names[0]].float()
         return norm.to(self.device).requires_grad_(False), tensors[names[1]].to(self.device, torch.float32)
 
-    def embed(self, ids: torch.Tensor, rounded_to: torch.dtype | None = None) -> torch.Tensor:
-        """Input embeddings (float32, on the CPU: hidden states live there between layers), optionally of the
-        embedding matrix as saved in `rounded_to`."""
-        weight = self.checkpoint.load(["model.embed_tokens.weight"])["model.embed_tokens.weight"]
-        return nn.functional.embedding(ids, _rounded(weight, rounded_to)).float()
+    def embed(self, ids: list[torch.Tensor], rounded_to: torch.dtype | None = None) -> list[torch.Tensor]:
+        """Input embeddings of each id tensor (float32, on the CPU: hidden states live there between layers),
+        optionally of the embedding matrix as saved in `rounded_to`; the matrix is read once for all of them."""
+        weight = _rounded(self.checkpoint.load(["model.embed_tokens.weight"])["model.embed_tokens.weight"], rounded_to)
+        return [nn.functional.embedding(part, weight).float() for part in ids]
 
 
 def _working(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

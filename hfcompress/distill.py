@@ -99,31 +99,31 @@ def heal_with_lora(
     return peft_model.merge_and_unload().eval().requires_grad_(False), record
 
 
-@register
-class LisaTuning(Finisher):
-    name = "lisa_tuning"
+class _DistillFinisher(Finisher):
+    """A finisher run for `steps` distillation steps, the count read from DistillOptions.<option>."""
+
+    option: str
 
     def __init__(self, steps: int, seed: int) -> None:
         self.steps, self.seed = steps, seed
 
     @classmethod
-    def from_options(cls, options) -> "LisaTuning | None":
-        return cls(options.distill.lisa_tune_steps, options.seed) if options.distill.lisa_tune_steps else None
+    def from_options(cls, options) -> "_DistillFinisher | None":
+        steps = getattr(options.distill, cls.option)
+        return cls(steps, options.seed) if steps else None
+
+
+@register
+class LisaTuning(_DistillFinisher):
+    name, option = "lisa_tuning", "lisa_tune_steps"
 
     def finish(self, student: nn.Module, teacher: nn.Module, sequences: torch.Tensor) -> tuple[nn.Module, dict]:
         return student, tune_lisa_end_to_end(student, teacher, sequences, self.steps, seed=self.seed)
 
 
 @register
-class FascHealing(Finisher):
-    name = "fasc_healing"
-
-    def __init__(self, steps: int, seed: int) -> None:
-        self.steps, self.seed = steps, seed
-
-    @classmethod
-    def from_options(cls, options) -> "FascHealing | None":
-        return cls(options.distill.heal_steps, options.seed) if options.distill.heal_steps else None
+class FascHealing(_DistillFinisher):
+    name, option = "fasc_healing", "heal_steps"
 
     def finish(self, student: nn.Module, teacher: nn.Module, sequences: torch.Tensor) -> tuple[nn.Module, dict]:
         return heal_with_lora(student, teacher, sequences, self.steps, seed=self.seed)

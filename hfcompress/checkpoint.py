@@ -18,12 +18,14 @@ import torch
 from .calibrate import cache_key
 from .errors import HfcompressError
 from .progress import console, progress_bar
-from .source import ResolvedSource, source_identity
+from .source import ResolvedSource, _first_line, source_identity
 
 
-def _first_line(err: BaseException, limit: int = 200) -> str:
-    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+def _corrupt(name: str, err: BaseException) -> HfcompressError:
+    return HfcompressError(
+        f"The weights of {name} are corrupt or truncated ({type(err).__name__}: {_first_line(err)}): "
+        "download or save them again."
+    )
 
 
 class Checkpoint:
@@ -44,10 +46,7 @@ class Checkpoint:
                         self.files[key] = path.name
                         self.shapes[key] = list(handle.get_slice(key).get_shape())
         except Exception as err:  # safetensors raises several types on a damaged file
-            raise HfcompressError(
-                f"The weights of {name} are corrupt or truncated ({type(err).__name__}: {_first_line(err)}): "
-                "download or save them again."
-            ) from err
+            raise _corrupt(name, err) from err
 
     def load(self, names: list[str]) -> dict[str, torch.Tensor]:
         from safetensors import safe_open
@@ -63,10 +62,7 @@ class Checkpoint:
         except HfcompressError:
             raise
         except Exception as err:
-            raise HfcompressError(
-                f"The weights of {self.name} are corrupt or truncated ({type(err).__name__}: {_first_line(err)}): "
-                "download or save them again."
-            ) from err
+            raise _corrupt(self.name, err) from err
         return tensors
 
     def float32_bytes(self) -> int:

@@ -14,7 +14,7 @@ from hfcompress.build import build_converted_model, parameter_counts
 from common import prepare
 from hfcompress.config import ConvertOptions
 from hfcompress.fasc import DEFAULT_TARGETS, FascOptions, compress_linears
-from hfcompress.distill import heal_with_lora
+from hfcompress.distill import DistillOptions, distill_model
 from hfcompress.probe import run_probe
 from hfcompress.source import BUILTIN_SOURCE
 from hfcompress.validate import perplexity
@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("--targets", nargs="+", default=list(DEFAULT_TARGETS))
     parser.add_argument("--calib-sequences", type=int, default=16)
     parser.add_argument("--eval-tokens", type=int, default=4096)
-    parser.add_argument("--heal-steps", type=int, default=0, help="LoRA healing steps after each factorisation")
+    parser.add_argument("--distill-tokens", type=int, default=0, help="end-to-end KL distillation tokens after each conversion")
     args = parser.parse_args()
 
     prepared = prepare(
@@ -48,8 +48,8 @@ def main() -> None:
             start = time.perf_counter()
             factors, results = compress_linears(linears, stats, FascOptions(method=method, budget=budget, targets=tuple(args.targets)))
             converted = build_converted_model(model, [], factors)
-            if args.heal_steps:
-                converted, _ = heal_with_lora(converted, model, prepared.sequences, args.heal_steps)
+            if args.distill_tokens:
+                converted, _ = distill_model(converted, model, prepared.sequences.flatten(), DistillOptions(tokens=args.distill_tokens))
             seconds = time.perf_counter() - start
             kept = sum(a.numel() + b.numel() for a, b in factors.values()) + sum(
                 linears[r.name].weight.numel() for r in results if r.rank is None
@@ -58,7 +58,7 @@ def main() -> None:
             probe = run_probe(converted, tokenizer)
             rows.append((method, budget, ppl, probe.correct, probe.total, parameter_counts(converted)["total"], kept, seconds))
             print(f"{method} @ {budget}: ppl {ppl:.3f} probe {probe.correct}/{probe.total}", flush=True)
-    print(f"\nheal_steps={args.heal_steps} targets={' '.join(args.targets)} calib={args.calib_sequences}x256 eval_tokens={args.eval_tokens} "
+    print(f"\ndistill_tokens={args.distill_tokens} targets={' '.join(args.targets)} calib={args.calib_sequences}x256 eval_tokens={args.eval_tokens} "
           f"statistics {stats_seconds:.0f}s (0 = cached)")
     print("| method | budget | PPL | probe | params total | targeted params kept | factorise s |")
     print("|---|---|---|---|---|---|---|")

@@ -13,7 +13,7 @@ from pathlib import Path
 from hfcompress.build import build_converted_model, parameter_counts
 from common import prepare
 from hfcompress.config import ConvertOptions
-from hfcompress.distill import tune_lisa_end_to_end
+from hfcompress.distill import DistillOptions, distill_model
 from hfcompress.lisa import LisaOptions, fit_lisa, select_layers
 from hfcompress.source import BUILTIN_SOURCE
 from hfcompress.validate import perplexity
@@ -26,7 +26,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--align-hidden", type=int, default=16)
-    parser.add_argument("--tune-steps", type=int, default=0, help="joint end-to-end KL tuning steps after the fits")
+    parser.add_argument("--distill-tokens", type=int, default=0, help="end-to-end KL distillation tokens after each conversion")
     parser.add_argument("--calib-sequences", type=int, default=16)
     parser.add_argument("--eval-tokens", type=int, default=4096)
     args = parser.parse_args()
@@ -47,13 +47,13 @@ def main() -> None:
         start = time.perf_counter()
         fitted = fit_lisa(model, attn_inputs, chosen, similarity, lisa)
         converted = build_converted_model(model, fitted, {})
-        if args.tune_steps:
-            tune_lisa_end_to_end(converted, model, prepared.sequences, args.tune_steps)
+        if args.distill_tokens:
+            converted, _ = distill_model(converted, model, prepared.sequences.flatten(), DistillOptions(tokens=args.distill_tokens))
         seconds = time.perf_counter() - start
         ppl = perplexity(converted, prepared.eval_ids, 512, max_tokens=args.eval_tokens).perplexity
         rows.append((ratio, chosen, parameter_counts(converted)["attention_qk"], ppl, seconds))
         print(f"ratio {ratio}: layers {chosen} ppl {ppl:.3f} fit {seconds:.0f}s", flush=True)
-    print(f"\ntune_steps={args.tune_steps} steps={args.steps} lr={args.lr} align_hidden={args.align_hidden} calib={args.calib_sequences}x256 "
+    print(f"\ndistill_tokens={args.distill_tokens} steps={args.steps} lr={args.lr} align_hidden={args.align_hidden} calib={args.calib_sequences}x256 "
           f"eval_tokens={args.eval_tokens}")
     print("| share ratio | layers shared | Q/K params (orig {:,}) | PPL orig | PPL converted | change | fit s |".format(qk_original))
     print("|---|---|---|---|---|---|---|")

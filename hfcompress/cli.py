@@ -5,6 +5,7 @@ from pathlib import Path
 
 import typer
 
+from .distill import DistillOptions
 from .errors import HfcompressError
 from .fasc import DEFAULT_TARGETS, METHODS, FascOptions
 from .lisa import DEFAULT_SHARE_RATIO, LisaOptions
@@ -82,16 +83,32 @@ def convert(
     align_hidden: int = typer.Option(LisaOptions.align_hidden, help="Width of the dense alignment FFN (0 = linear head mix only)."),
     lowrank: bool = typer.Option(True, "--lowrank/--no-lowrank", help="Low-rank Q/K correction in shared layers."),
     lisa_steps: int = typer.Option(LisaOptions.steps, help="Distillation steps per shared layer."),
-    lisa_tune_steps: int = typer.Option(0, help="Finisher: joint end-to-end (logit KL) tuning steps of all shared layers."),
     fasc_budget: float = typer.Option(1.0, help="FASC: fraction of targeted linear parameters kept (1.0 = off)."),
     fasc_method: str = typer.Option("fisher", help=f"FASC subspace: {', '.join(METHODS)}."),
-    heal_steps: int = typer.Option(0, help="Finisher: FASC healing, LoRA (peft) distillation steps, merged before saving."),
     fasc_targets: str = typer.Option(",".join(DEFAULT_TARGETS), help="FASC: linear layers to factorise."),
     fasc_rho_keep: float = typer.Option(
         None, help="FASC: linears whose rho (activation-gradient dependence) exceeds this stay dense (default: none)."
     ),
+    distill_tokens: int = typer.Option(
+        DistillOptions.tokens, help="Distillation: train every new parameter end to end (KL to the original) on this many calibration-text tokens (0 = off)."
+    ),
+    distill_seq_len: int = typer.Option(DistillOptions.seq_len, help="Distillation: tokens per training window."),
+    distill_batch_size: int = typer.Option(DistillOptions.batch_size, help="Distillation: windows per step."),
+    distill_lr: float = typer.Option(DistillOptions.lr, help="Distillation: AdamW learning rate (cosine decay, 5% warm-up)."),
+    distill_lora_rank: int = typer.Option(
+        DistillOptions.lora_rank, help="Distillation: also train LoRA adapters of this rank on the unchanged linears, merged before saving (0 = off)."
+    ),
+    distill_curve_tokens: int = typer.Option(
+        DistillOptions.curve_tokens, help="Distillation: evaluation tokens per text at each learning-curve point."
+    ),
+    distill_gradient_checkpointing: bool = typer.Option(
+        False, "--distill-gradient-checkpointing", help="Distillation: recompute layers in backward (less memory, more time)."
+    ),
     calib_text: str = typer.Option("auto", help=f"Calibration text: {TEXT_HELP}; wikitext-2 reads its train split; auto: wikitext-2 when the Hub answers, else builtin."),
     eval_text: str = typer.Option("auto", help=f"Perplexity text: {TEXT_HELP}; wikitext-2 reads its test split; auto: wikitext-2 when the Hub answers, else the held-out last 25% of the calibration text."),
+    ood_text: str = typer.Option(
+        "auto", help="Second perplexity text, of another domain than calibration, scored whole and gated too: news (300 ABC news articles; auto picks it when installed), FILE, builtin, wikitext-2 or none."
+    ),
     calib_sequences: int = typer.Option(16, help="Number of calibration sequences."),
     seq_len: int = typer.Option(256, help="Calibration sequence length in tokens."),
     eval_tokens: int = typer.Option(4096, help="Tokens of held-out text scored for perplexity."),
@@ -106,7 +123,7 @@ def convert(
     ),
 ) -> None:
     """Convert SOURCE into a LisaLlama model, validate it, write --out and optionally push it."""
-    from .config import ConvertOptions, DistillOptions
+    from .config import ConvertOptions
 
     def action() -> None:
         name = Path(source).stem if Path(source).suffix == ".gguf" else source.rstrip("/").split("/")[-1]
@@ -122,6 +139,7 @@ def convert(
             max_ppl_increase=max_ppl_increase,
             calib_text=calib_text,
             eval_text=eval_text,
+            ood_text=ood_text,
             calib_sequences=calib_sequences,
             seq_len=seq_len,
             eval_tokens=eval_tokens,
@@ -149,7 +167,15 @@ def convert(
                 targets=tuple(t.strip() for t in fasc_targets.split(",") if t.strip()),
                 rho_keep_threshold=fasc_rho_keep,
             ),
-            distill=DistillOptions(lisa_tune_steps=lisa_tune_steps, heal_steps=heal_steps),
+            distill=DistillOptions(
+                tokens=distill_tokens,
+                seq_len=distill_seq_len,
+                batch_size=distill_batch_size,
+                lr=distill_lr,
+                lora_rank=distill_lora_rank,
+                curve_tokens=distill_curve_tokens,
+                gradient_checkpointing=distill_gradient_checkpointing,
+            ),
         ).validate()  # every value and combination, before any network or model work
         if layer_by_layer:
             from .progress import console

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .distill import DistillOptions
 from .errors import HfcompressError
 from .fasc import FascOptions
 from .lisa import LisaOptions
@@ -39,14 +40,6 @@ def parse_size(value: str, option: str = "--max-shard-size") -> int:
 
 
 @dataclass
-class DistillOptions:
-    """End-to-end KL distillation from the original model, run as finishers on the whole converted model."""
-
-    lisa_tune_steps: int = 0  # jointly train every shared layer's Align and low-rank Q/K (0 = off)
-    heal_steps: int = 0  # LoRA (peft) on the FASC factors, merged before saving (0 = off)
-
-
-@dataclass
 class ConvertOptions:
     source: str
     out: Path
@@ -59,6 +52,7 @@ class ConvertOptions:
     max_ppl_increase: float = 10.0  # percent: the quality gate
     calib_text: str = AUTO  # FILE path, "builtin", "wikitext-2" or "auto" (text.py)
     eval_text: str = AUTO
+    ood_text: str = AUTO  # a second evaluation text of another domain (text.py): news | FILE | builtin | wikitext-2 | none
     calib_sequences: int = 16
     seq_len: int = 256
     eval_tokens: int = 4096
@@ -96,6 +90,7 @@ class ConvertOptions:
             raise HfcompressError(f"--max-ppl-increase must be a finite percentage, got {self.max_ppl_increase}.")
         check_text_option(self.calib_text, "calibration")
         check_text_option(self.eval_text, "evaluation")
+        check_text_option(self.ood_text, "other-domain")
         if self.push_to is not None:
             from huggingface_hub.utils import HFValidationError, validate_repo_id
 
@@ -139,14 +134,27 @@ class ConvertOptions:
         if fasc.rho_keep_threshold is not None and not fasc.rho_keep_threshold >= 0:
             raise HfcompressError(f"--fasc-rho-keep must be >= 0, got {fasc.rho_keep_threshold}.")
 
-        _at_least(distill.lisa_tune_steps, 0, "--lisa-tune-steps")
-        _at_least(distill.heal_steps, 0, "--heal-steps")
-        if distill.heal_steps and fasc.budget >= 1.0:
-            raise HfcompressError("--heal-steps heals FASC-compressed layers: set --fasc-budget below 1.0, or drop --heal-steps.")
-        if distill.lisa_tune_steps and (lisa.layers == [] or lisa.share_ratio == 0):
-            raise HfcompressError("--lisa-tune-steps tunes shared layers: set --share-ratio above 0, --lisa-layers or --lisa-ppl-budget.")
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and (distill.lisa_tune_steps or distill.heal_steps):
-            raise HfcompressError("--lisa-tune-steps and --heal-steps train the whole model in one process: run them without accelerate launch.")
+        _at_least(distill.tokens, 0, "--distill-tokens")
+        _at_least(distill.seq_len, 16, "--distill-seq-len")
+        _at_least(distill.batch_size, 1, "--distill-batch-size")
+        _at_least(distill.lora_rank, 0, "--distill-lora-rank")
+        _at_least(distill.curve_tokens, 2, "--distill-curve-tokens")
+        if not (math.isfinite(distill.lr) and distill.lr > 0):
+            raise HfcompressError(f"--distill-lr must be a learning rate > 0, got {distill.lr}.")
+        if distill.tokens and 0 < distill.tokens < distill.seq_len * distill.batch_size:
+            raise HfcompressError(
+                f"--distill-tokens {distill.tokens} is less than one step ({distill.batch_size} x {distill.seq_len} tokens): "
+                "give more tokens or a shorter --distill-seq-len."
+            )
+        if not distill.tokens and (distill.lora_rank or distill.gradient_checkpointing):
+            raise HfcompressError("--distill-lora-rank and --distill-gradient-checkpointing configure distillation: add --distill-tokens N.")
+        if distill.tokens and (lisa.layers == [] or lisa.share_ratio == 0) and fasc.budget >= 1.0 and not distill.lora_rank:
+            raise HfcompressError(
+                "--distill-tokens trains what the conversion creates, and this one shares no layer and factorises none: "
+                "share layers (--share-ratio, --lisa-layers, --lisa-ppl-budget), set --fasc-budget below 1.0, or add --distill-lora-rank."
+            )
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and distill.tokens:
+            raise HfcompressError("--distill-tokens trains the whole model in one process: run it without accelerate launch.")
         return self
 
     def check_against_model(self, config) -> None:
@@ -166,8 +174,6 @@ class ConvertOptions:
                     f"--share-ratio {self.lisa.ratio} asks for {count} shared layers but only {candidates} are "
                     f"outside the {self.lisa.protect_first} protected shallow layers."
                 )
-        if self.distill.lisa_tune_steps and self.lisa.layers is None and self.lisa.ppl_budget is None and count == 0:
-            raise HfcompressError(f"--lisa-tune-steps tunes shared layers, and --share-ratio {self.lisa.ratio} shares none of {layers}.")
         if self.lisa.lowrank:
             lowrank_rank(config, self.lisa.qk_compression)
 

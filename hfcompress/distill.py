@@ -1,129 +1,244 @@
-"""Finishers: end-to-end distillation after the streamed conversion. The whole converted model learns to match the
-original model's next-token distributions (KL) on calibration sequences, training only a chosen set of parameters.
+"""Distillation: the pipeline's training stage, after the streamed conversion.
 
-- LISA tuning: all shared layers' new parameters (Align, low-rank Q/K) jointly, so each layer is trained for
-  its effect on the output instead of on its own attention output alone.
-- FASC healing: LoRA adapters (peft) on the FASC factors, merged before saving, so the saved model keeps
-  exactly the converted shapes.
+Every parameter the conversion created (LISA's Align and low-rank Q/K, FASC's factors), and optionally LoRA adapters
+on the weights it left unchanged, is trained together, end to end: the whole converted model learns the original's
+next-token distribution by KL(original || converted), on a token budget (`--distill-tokens`) streamed as windows
+from the calibration text (never from the evaluation texts). Layer-local fits only match each layer's attention
+output; this stage trains each new module for its effect on the output, which is what perplexity measures.
+
+- Checkpointed: the trainable tensors, the optimiser and the learning curve are saved every few minutes in the
+  conversion's work directory; a rerun of the same command resumes at the last checkpoint.
+- The learning curve (KL per step, perplexity on every evaluation text at a few token counts) goes into the report,
+  and from there into a plot on the card.
 """
 
+import math
+import tempfile
 import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from .calibrate import cache_key
 from .errors import HfcompressError
+from .fasc import is_fasc_parameter
 from .lisa import is_lisa_parameter
 from .methods import Finisher, register
-from .progress import progress_bar
+from .progress import console, training_bar
+from .stream import save_atomic
+from .validate import perplexity
 
-HEAL_TARGETS = ["proj_in", "proj_out"]  # the two factors of every FascLinear
+LORA_TARGETS = ("v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # dense linears every layer keeps
+CHECKPOINT_SECONDS = 120.0  # save the training state this often (and at every curve point)
+CURVE_FIRST_POINT = 16_384  # curve points at 0, 16k, 64k, 256k, ... tokens (x4) and at the budget
+KL_LOG_EVERY = 16_384  # tokens per averaged point of the KL curve
 
 
-def distill(
-    student: nn.Module,
-    teacher: nn.Module,
-    sequences: torch.Tensor,
-    parameters: list[nn.Parameter],
-    steps: int,
-    lr: float,
-    batch_size: int,
-    seed: int,
-    label: str,
-) -> dict:
-    """AdamW on `parameters` minimising KL(teacher || student) per token; returns a record of the run."""
-    start = time.perf_counter()
-    device = next(student.parameters()).device
+@dataclass
+class DistillOptions:
+    """`--distill-*`: the training stage's budget and optimiser."""
+
+    tokens: int = 0  # training tokens (0 = off); windows are drawn from the calibration text, cycling if it is shorter
+    seq_len: int = 512  # tokens per training window
+    batch_size: int = 1  # windows per step
+    lr: float = 1e-3  # AdamW, cosine decay to 0 over the budget, 5% warm-up
+    lora_rank: int = 0  # LoRA (peft) on the frozen dense linears, merged before saving; 0 = only the new parameters
+    curve_tokens: int = 2048  # evaluation tokens per text at each curve point (the final figure uses --eval-tokens)
+    gradient_checkpointing: bool = False  # recompute each layer in backward: less memory, about 30% more time
+
+    @property
+    def steps(self) -> int:
+        return math.ceil(self.tokens / (self.seq_len * self.batch_size)) if self.tokens else 0
+
+    def curve_points(self) -> list[int]:
+        """Token counts at which the curve measures perplexity: 0, 16k, 64k, ... below the budget, and the budget."""
+        points, point = [0], CURVE_FIRST_POINT
+        while point < self.tokens:
+            points.append(point)
+            point *= 4
+        return points + [self.steps * self.seq_len * self.batch_size]
+
+
+@dataclass
+class DistillData:
+    """What the stage trains and measures on."""
+
+    train_ids: torch.Tensor  # 1-D calibration-text token ids
+    evaluations: dict[str, torch.Tensor]  # text name -> held-out ids, for the curve
+    eval_context: int
+    work: Path  # the conversion's work directory: the resumable state goes in a subdirectory
+    seed: int
+
+
+def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters the conversion created: LISA's and FASC's (every other weight is the original's)."""
+    return [(name, p) for name, p in model.named_parameters() if is_lisa_parameter(name) or is_fasc_parameter(name)]
+
+
+def curve_perplexities(model: nn.Module, data: DistillData, tokens: int) -> dict[str, float]:
+    model.eval()
+    with torch.no_grad():
+        result = {
+            name: perplexity(model, ids.to(next(model.parameters()).device), data.eval_context, max_tokens=tokens, label=f"distill: perplexity ({name})").perplexity
+            for name, ids in data.evaluations.items()
+        }
+    model.train()
+    return result
+
+
+def window_starts(ids: torch.Tensor, seq_len: int, batch_size: int, steps: int, seed: int) -> torch.Tensor:
+    """(steps, batch) random start offsets of training windows in `ids`: every step's batch is fixed by the seed, so
+    a resumed run sees exactly the batches an uninterrupted one would."""
+    if len(ids) <= seq_len:
+        raise HfcompressError(
+            f"The calibration text has {len(ids)} tokens, fewer than one distillation window of {seq_len}: lower "
+            "--distill-seq-len or give a longer --calib-text."
+        )
     generator = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.AdamW(parameters, lr=lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, steps))
-    losses = []
-    for _ in progress_bar(range(steps), label):
-        ids = sequences[torch.randint(len(sequences), (batch_size,), generator=generator)].to(device)
-        with torch.no_grad():
-            target = torch.log_softmax(teacher(ids, use_cache=False).logits.float(), dim=-1)
-        logits = student(input_ids=ids, use_cache=False).logits.float()
-        loss = nn.functional.kl_div(torch.log_softmax(logits, dim=-1), target, log_target=True, reduction="sum")
-        loss = loss / (ids.shape[0] * ids.shape[1])
-        if not torch.isfinite(loss):
-            raise HfcompressError(f"{label}: the distillation loss became NaN/inf; lower the learning rate.")
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        losses.append(loss.item())
-    window = max(1, min(10, len(losses) // 4))
-    return {
-        "steps": steps,
-        "lr": lr,
-        "batch_size": batch_size,
-        "kl_first": sum(losses[:window]) / window if losses else None,
-        "kl_last": sum(losses[-window:]) / window if losses else None,
-        "seconds": round(time.perf_counter() - start, 1),
-    }
+    return torch.randint(len(ids) - seq_len, (steps, batch_size), generator=generator)
 
 
-def tune_lisa_end_to_end(
-    converted: nn.Module, original: nn.Module, sequences: torch.Tensor, steps: int, lr: float = 2e-3,
-    batch_size: int = 2, seed: int = 0,
-) -> dict:
-    """Jointly train every shared layer's Align and low-rank Q/K against the original's output distribution."""
-    converted.requires_grad_(False)
-    parameters = [p for name, p in converted.named_parameters() if is_lisa_parameter(name)]
+def distill(student: nn.Module, teacher: nn.Module, data: DistillData, options: DistillOptions, state_dir: Path) -> dict:
+    """AdamW on the student's trainable parameters minimising KL(teacher || student) per token, resumable from
+    `state_dir`. Returns the record for the report (settings, timings, the learning curve)."""
+    device = next(student.parameters()).device
+    named = [(n, p) for n, p in student.named_parameters() if p.requires_grad]
+    parameters = [p for _, p in named]
     if not parameters:
-        raise HfcompressError("--lisa-tune-steps needs shared layers: set --share-ratio above 0 or --lisa-layers.")
-    for p in parameters:
-        p.requires_grad_(True)
-    converted.train()
-    record = distill(converted, original, sequences, parameters, steps, lr, batch_size, seed, "lisa: end-to-end tuning")
-    converted.eval().requires_grad_(False)
+        raise HfcompressError("--distill-tokens has nothing to train: the conversion changed no layer.")
+    steps, tokens_per_step = options.steps, options.seq_len * options.batch_size
+    optimizer = torch.optim.AdamW(parameters, lr=options.lr, weight_decay=0.0)
+    warmup = max(1, steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
+    )
+    starts = window_starts(data.train_ids, options.seq_len, options.batch_size, steps, data.seed)
+    offsets = torch.arange(options.seq_len)
+    points = options.curve_points()
+    state_file = state_dir / "state.pt"
+    record = {
+        **asdict(options), "steps": steps, "train_tokens_available": len(data.train_ids),
+        "trainable_parameters": sum(p.numel() for p in parameters), "kl": [], "perplexity": [], "seconds": 0.0,
+    }
+    step = 0
+    if state_file.is_file():  # resume: the trainable tensors, the optimiser and the curve so far
+        saved = torch.load(state_file, weights_only=False)
+        with torch.no_grad():
+            for name, p in named:
+                p.copy_(saved["parameters"][name])
+        optimizer.load_state_dict(saved["optimizer"])
+        schedule.load_state_dict(saved["schedule"])
+        step, record = saved["step"], saved["record"]
+        record["resumed_at_step"] = step
+
+    def save() -> None:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        parameters_now = {name: p.detach().cpu().clone() for name, p in named}
+        save_atomic({"parameters": parameters_now, "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
+                     "step": step, "record": record}, state_file)
+
+    def measure(tokens: int) -> None:
+        if not any(row["tokens"] == tokens for row in record["perplexity"]):
+            point = curve_perplexities(student, data, options.curve_tokens)
+            record["perplexity"].append({"tokens": tokens, **point})
+            shown = ", ".join(f"{name.split(' (')[0]} {value:.3f}" for name, value in point.items())
+            console.log(f"distill: {tokens:,} tokens trained: perplexity {shown}", highlight=False)
+
+    student.train()
+    teacher.eval()
+    started, last_save, kl_sum, kl_count = time.perf_counter(), time.perf_counter(), 0.0, 0
+    seconds_before = record["seconds"]
+    if step == 0:
+        measure(0)
+    with training_bar(steps * tokens_per_step, "distill: KL to the original", done=step * tokens_per_step) as advance:
+        while step < steps:
+            ids = data.train_ids[starts[step][:, None] + offsets].to(device)
+            with torch.no_grad():
+                target = torch.log_softmax(teacher(ids, use_cache=False).logits.float(), dim=-1)
+            logits = student(input_ids=ids, use_cache=False).logits.float()
+            loss = nn.functional.kl_div(torch.log_softmax(logits, dim=-1), target, log_target=True, reduction="sum")
+            loss = loss / ids.numel()
+            if not torch.isfinite(loss):
+                raise HfcompressError(f"Distillation diverged at step {step} (loss {loss.item()}): lower --distill-lr.")
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+            optimizer.step()
+            schedule.step()
+            step += 1
+            kl_sum, kl_count = kl_sum + loss.item(), kl_count + 1
+            tokens = step * tokens_per_step
+            if tokens % KL_LOG_EVERY < tokens_per_step or step == steps:
+                record["kl"].append({"tokens": tokens, "kl": kl_sum / kl_count})
+                kl_sum, kl_count = 0.0, 0
+            elapsed = time.perf_counter() - started
+            advance(tokens_per_step, loss=loss.item(), tokens_per_s=(tokens - record.get("resumed_at_step", 0) * tokens_per_step) / elapsed)
+            at_point = any(tokens - tokens_per_step < point <= tokens for point in points[1:])
+            if at_point:
+                measure(tokens)
+            if at_point or time.perf_counter() - last_save > CHECKPOINT_SECONDS or step == steps:
+                record["seconds"] = round(seconds_before + time.perf_counter() - started, 1)
+                save()
+                last_save = time.perf_counter()
+                if not console.is_terminal:  # the bar is off in logs: one line per checkpoint instead
+                    console.log(f"distill: step {step}/{steps}, loss {loss.item():.4f}, {record['seconds']:.0f} s (checkpoint saved)")
+    student.eval()
+    record["seconds"] = round(seconds_before + time.perf_counter() - started, 1)
+    record["tokens_per_s"] = round(steps * tokens_per_step / max(record["seconds"], 1e-9), 1)
     return record
 
 
-def heal_with_lora(
-    converted: nn.Module, original: nn.Module, sequences: torch.Tensor, steps: int, rank: int = 8,
-    lr: float = 5e-4, batch_size: int = 2, seed: int = 0,
-) -> tuple[nn.Module, dict]:
-    """LoRA on the FASC factors, distilled from the original, then merged; returns (merged model, record)."""
-    from peft import LoraConfig, get_peft_model
+def prepare_student(student: nn.Module, options: DistillOptions) -> nn.Module:
+    """Freeze the original weights, unfreeze the new ones; wrap in LoRA adapters when asked."""
+    student.requires_grad_(False)
+    for _, p in trainable_parameters(student):
+        p.requires_grad_(True)
+    if options.lora_rank:
+        from peft import LoraConfig, get_peft_model
 
-    if not any(type(m).__name__ == "FascLinear" for m in converted.modules()):
-        raise HfcompressError("--heal-steps needs FASC-compressed layers: set --fasc-budget below 1.0.")
-    peft_model = get_peft_model(
-        converted, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=HEAL_TARGETS)
-    )
-    peft_model.train()
-    parameters = [p for p in peft_model.parameters() if p.requires_grad]
-    record = distill(peft_model, original, sequences, parameters, steps, lr, batch_size, seed, "heal: LoRA distillation")
-    record["lora_rank"] = rank
-    return peft_model.merge_and_unload().eval().requires_grad_(False), record
+        # exact names of the still-dense linears: a FASC-factorised down_proj is no nn.Linear for peft
+        targets = [n for n, m in student.named_modules() if isinstance(m, nn.Linear) and n.endswith(LORA_TARGETS)]
+        student = get_peft_model(
+            student, LoraConfig(r=options.lora_rank, lora_alpha=2 * options.lora_rank, lora_dropout=0.0, target_modules=targets)
+        )
+        for _, p in trainable_parameters(student):  # peft froze everything but its adapters
+            p.requires_grad_(True)
+    if options.gradient_checkpointing:
+        student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return student
 
 
-class _DistillFinisher(Finisher):
-    """A finisher run for `steps` distillation steps, the count read from DistillOptions.<option>."""
+@register
+class Distillation(Finisher):
+    """The training stage, configured by `--distill-*`."""
 
-    option: str
+    name = "distillation"
 
-    def __init__(self, steps: int, seed: int) -> None:
-        self.steps, self.seed = steps, seed
+    def __init__(self, options: DistillOptions) -> None:
+        self.options = options
 
     @classmethod
-    def from_options(cls, options) -> "_DistillFinisher | None":
-        steps = getattr(options.distill, cls.option)
-        return cls(steps, options.seed) if steps else None
+    def from_options(cls, options) -> "Distillation | None":
+        return cls(options.distill) if options.distill.tokens else None
+
+    def state_dir(self, work: Path) -> Path:
+        return work / f"distill-{cache_key(asdict(self.options))}"
+
+    def finish(self, student: nn.Module, teacher: nn.Module, data: DistillData) -> tuple[nn.Module, dict]:
+        student = prepare_student(student, self.options)
+        record = distill(student, teacher, data, self.options, self.state_dir(data.work))
+        if self.options.lora_rank:
+            student = student.merge_and_unload()
+        return student.eval().requires_grad_(False), record
 
 
-@register
-class LisaTuning(_DistillFinisher):
-    name, option = "lisa_tuning", "lisa_tune_steps"
-
-    def finish(self, student: nn.Module, teacher: nn.Module, sequences: torch.Tensor) -> tuple[nn.Module, dict]:
-        return student, tune_lisa_end_to_end(student, teacher, sequences, self.steps, seed=self.seed)
-
-
-@register
-class FascHealing(_DistillFinisher):
-    name, option = "fasc_healing", "heal_steps"
-
-    def finish(self, student: nn.Module, teacher: nn.Module, sequences: torch.Tensor) -> tuple[nn.Module, dict]:
-        return heal_with_lora(student, teacher, sequences, self.steps, seed=self.seed)
+def distill_model(
+    student: nn.Module, teacher: nn.Module, train_ids: torch.Tensor, options: DistillOptions,
+    evaluations: dict[str, torch.Tensor] | None = None, eval_context: int = 512, seed: int = 0,
+) -> tuple[nn.Module, dict]:
+    """The stage on an in-memory model (the research benchmarks), its resumable state in a temporary directory."""
+    with tempfile.TemporaryDirectory() as work:
+        data = DistillData(train_ids, evaluations or {}, eval_context, Path(work), seed)
+        return Distillation(options).finish(student, teacher, data)

@@ -189,6 +189,13 @@ def compress_linears(
     return factors, results
 
 
+FACTOR_MARKERS = (".proj_in.", ".proj_out.")  # names of a FascLinear's two factors (trainable in distillation)
+
+
+def is_fasc_parameter(name: str) -> bool:
+    return any(marker in name for marker in FACTOR_MARKERS)
+
+
 def replace_linear(state: dict[str, torch.Tensor], name: str, a: torch.Tensor, b: torch.Tensor) -> dict[str, torch.Tensor]:
     """`state` (full names) with linear `name` ("layer.path") replaced by its factors: proj_in = B, proj_out = A."""
     state, prefix = dict(state), f"model.layers.{name}."

@@ -42,6 +42,7 @@ from .calibrate import cache_key, new_linear_stats, tensor_fingerprint, track_li
 from .card import write_card
 from .checkpoint import Checkpoint, check_checkpoint, open_checkpoint, pack_shards, save_tensors
 from .config import ConvertOptions, resolve_device
+from .distill import DistillData
 from .errors import GATE_FAILED_EXIT, HfcompressError
 from .memory import peak_memory, return_freed_memory
 from .methods import LayerContext, Method, Planner
@@ -53,7 +54,7 @@ from .report import Report, Validation
 from .source import ResolvedSource, load_tokenizer, resolve_source, source_identity
 from .speed import hardware_description
 from .stream import LayerStream, Processes, save_atomic, token_nll
-from .text import chunk, text_streams
+from .text import chunk, other_domain_ids, text_streams
 from .validate import PerplexityResult, verify_written
 from .wholemodel import WholeModelSteps
 
@@ -87,16 +88,27 @@ def versions() -> dict:
     }
 
 
-def token_streams(options: ConvertOptions, tokenizer) -> tuple[torch.Tensor, torch.Tensor, str, str, torch.Tensor]:
-    """(calibration sequences (N, T), held-out evaluation ids, calibration text name, evaluation text name,
-    up to SELECTION_TOKENS calibration-text ids after the sequences)."""
+@dataclass
+class TokenStreams:
+    calib_ids: torch.Tensor  # the calibration text's ids (distillation draws its windows from all of them)
+    calib_name: str
+    sequences: torch.Tensor  # (N, T) calibration sequences from its start
+    selection_ids: torch.Tensor  # up to SELECTION_TOKENS calibration-text ids after the sequences
+    evaluations: dict[str, torch.Tensor]  # held-out text name -> ids: the calibration domain first, then another domain
+
+
+def token_streams(options: ConvertOptions, tokenizer) -> TokenStreams:
     calib_tokens = options.calib_sequences * options.seq_len
     calib_ids, calib_name, eval_ids, eval_name = text_streams(
-        tokenizer, options.calib_text, options.eval_text, calib_tokens + SELECTION_TOKENS
+        tokenizer, options.calib_text, options.eval_text, calib_tokens + SELECTION_TOKENS + options.distill.tokens
     )
     sequences = chunk(calib_ids, options.seq_len, options.calib_sequences)
     selection_ids = calib_ids[sequences.numel() : sequences.numel() + SELECTION_TOKENS]
-    return sequences, eval_ids, calib_name, eval_name, selection_ids
+    evaluations = {eval_name: eval_ids}
+    other = other_domain_ids(tokenizer, options.ood_text, calib_name)
+    if other is not None:
+        evaluations[other[1]] = other[0]
+    return TokenStreams(calib_ids, calib_name, sequences, selection_ids, evaluations)
 
 
 def windows(ids: torch.Tensor, context: int, max_tokens: int | None = None) -> list[torch.Tensor]:
@@ -328,13 +340,29 @@ def finish_perplexity(run: Run, evaluation: Evaluation) -> tuple[PerplexityResul
     return tuple(PerplexityResult(math.exp(sums[i].item() / tokens), tokens, context, context) for i in (0, 1))
 
 
-def refuse_non_finite(original: PerplexityResult, converted: PerplexityResult) -> None:
-    for name, ppl in (("source", original), ("converted", converted)):
-        if not math.isfinite(ppl.perplexity):  # NaN would slip through the gate comparison as "failed"
-            raise HfcompressError(
-                f"The {name} model's perplexity is {ppl.perplexity} (NaN/inf logits on the evaluation text): its "
-                "weights overflow; nothing was written."
-            )
+def refuse_non_finite(results: dict[str, tuple[PerplexityResult, PerplexityResult]]) -> None:
+    for text, pair in results.items():
+        for name, ppl in zip(("source", "converted"), pair):
+            if not math.isfinite(ppl.perplexity):  # NaN would slip through the gate comparison as "failed"
+                raise HfcompressError(
+                    f"The {name} model's perplexity on {text} is {ppl.perplexity} (NaN/inf logits): its weights "
+                    "overflow; nothing was written."
+                )
+
+
+def quality_gate(results: dict[str, tuple[PerplexityResult, PerplexityResult]], limit: float) -> tuple[list[dict], bool, str]:
+    """Per text {eval_text, original, converted, perplexity_increase_pct}; passed when every text is within `limit`."""
+    rows = [
+        {"eval_text": text, "original": original.to_dict(), "converted": converted.to_dict(),
+         "perplexity_increase_pct": 100.0 * (converted.perplexity / original.perplexity - 1.0)}
+        for text, (original, converted) in results.items()
+    ]
+    passed = all(row["perplexity_increase_pct"] <= limit for row in rows)
+    message = "; ".join(
+        f"perplexity on {row['eval_text'].split(' (')[0]} {row['original']['perplexity']:.3f} -> "
+        f"{row['converted']['perplexity']:.3f} ({row['perplexity_increase_pct']:+.2f}%)" for row in rows
+    )
+    return rows, passed, f"{message}; limit +{limit:g}% on each"
 
 
 def selection_scorer(run: Run, selection_ids: torch.Tensor):
@@ -359,11 +387,7 @@ class Fetched:
     tokenizer: object
     checkpoint: Checkpoint
     source_config: object
-    sequences: torch.Tensor  # all calibration sequences (N, T)
-    eval_ids: torch.Tensor
-    selection_ids: torch.Tensor
-    calib_name: str
-    eval_name: str
+    streams: TokenStreams
 
 
 def fetch(run: Run, methods: list[Method], token: str | None = None) -> Fetched:
@@ -376,8 +400,9 @@ def fetch(run: Run, methods: list[Method], token: str | None = None) -> Fetched:
     for method in methods:
         method.check_model(source_config)
     check_checkpoint(checkpoint, source_config)
-    sequences, eval_ids, calib_name, eval_name, selection_ids = token_streams(options, tokenizer)
-    if int(max(sequences.max(), eval_ids.max())) >= source_config.vocab_size:
+    streams = token_streams(options, tokenizer)
+    sequences = streams.sequences
+    if int(max(ids.max() for ids in (streams.calib_ids, *streams.evaluations.values()))) >= source_config.vocab_size:
         raise HfcompressError(f"The tokenizer of {source.name} makes ids beyond the model's vocabulary ({source_config.vocab_size}).")
     if len(sequences) % processes.count:
         raise HfcompressError(f"--calib-sequences {len(sequences)} must be a multiple of the {processes.count} processes.")
@@ -387,7 +412,7 @@ def fetch(run: Run, methods: list[Method], token: str | None = None) -> Fetched:
     run.sequences = sequences[processes.index * share : (processes.index + 1) * share]
     run.calib_dir = options.cache_dir / cache_key(source_identity(source), tensor_fingerprint(sequences))
     run.bind(methods)
-    return Fetched(source, tokenizer, checkpoint, source_config, sequences, eval_ids, selection_ids, calib_name, eval_name)
+    return Fetched(source, tokenizer, checkpoint, source_config, streams)
 
 
 def calibrate(run: Run, methods: list[Method]) -> None:
@@ -414,7 +439,9 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> Report:
     with run.step("fetch"):
         fetched = fetch(run, methods, token)
     source, tokenizer, checkpoint, source_config = fetched.source, fetched.tokenizer, fetched.checkpoint, fetched.source_config
-    sequences, eval_ids, selection_ids = fetched.sequences, fetched.eval_ids, fetched.selection_ids
+    streams = fetched.streams
+    sequences, selection_ids, texts = streams.sequences, streams.selection_ids, streams.evaluations
+    eval_ids = next(iter(texts.values()))  # the calibration domain's held-out text
     whole = WholeModelSteps.decide(options, checkpoint, finishers, run.device)
 
     calibrate(run, active)
@@ -428,18 +455,21 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> Report:
             method.plan(planner)
 
     plan = [(m.name, m.settings(), m.config_entries()) for m in active]  # what each method computes and chose
-    work = run.calib_dir / f"convert-{cache_key(plan, str(run.saved_dtype), options.eval_tokens, options.eval_context, tensor_fingerprint(eval_ids))}"
+    fingerprints = [tensor_fingerprint(ids) for ids in texts.values()]
+    work = run.calib_dir / f"convert-{cache_key(plan, str(run.saved_dtype), options.eval_tokens, options.eval_context, fingerprints)}"
     probe_ids = eval_ids[: min(RELOAD_PROBE_TOKENS, len(eval_ids))].unsqueeze(0)  # long enough for RoPE errors to show
     reload_probe = Evaluation([probe_ids[0]], run.stream.embed([probe_ids]), run.stream.embed([probe_ids], run.saved_dtype), [None])
     with run.step("convert"):
-        evaluation, reload_probe = convert_pass(run, active, [new_evaluation(run, eval_ids, options.eval_tokens), reload_probe], work)
+        *evaluations, reload_probe = convert_pass(
+            run, active, [*(new_evaluation(run, ids, options.eval_tokens) for ids in texts.values()), reload_probe], work
+        )
     with run.step("validate: perplexity"):
-        ppl_original, ppl_converted = finish_perplexity(run, evaluation)
+        perplexities = {text: finish_perplexity(run, evaluation) for text, evaluation in zip(texts, evaluations)}
         norm, lm_head = run.stream.head(run.saved_dtype)
         with torch.no_grad():
             expected_logits = (norm(reload_probe.converted[0].to(run.device)) @ lm_head.T).cpu()
-        del evaluation, reload_probe, norm, lm_head
-    refuse_non_finite(ppl_original, ppl_converted)
+        del evaluations, reload_probe, norm, lm_head
+    refuse_non_finite(perplexities)
 
     entries = {k: v for m in active for k, v in m.config_entries().items()}
     config = converted_config(source_config, entries)
@@ -450,28 +480,27 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> Report:
         save_tensors({k: v.to(run.saved_dtype) for k, v in checkpoint.load(rest).items()}, work / "rest.safetensors")
     processes.wait()
 
-    finished, probe, speed = {}, {}, None
+    finished, probe, speed, layers_dir = {}, {}, None, work
     if processes.is_main:
-        results = whole.run(run, checkpoint, source_config, config, work, layer_files, tokenizer, eval_ids, probe_ids)
-        finished, probe, speed = results.finished, results.probe, results.speed
-        if results.converted_perplexity is not None:  # a finisher changed the weights: score the result again
-            ppl_converted, expected_logits = results.converted_perplexity, results.expected_logits
-            refuse_non_finite(ppl_original, ppl_converted)
-    increase = 100.0 * (ppl_converted.perplexity / ppl_original.perplexity - 1.0)
-    gate_passed = increase <= options.max_ppl_increase
-    gate_message = (
-        f"perplexity {ppl_original.perplexity:.3f} -> {ppl_converted.perplexity:.3f} ({increase:+.2f}%), "
-        f"limit +{options.max_ppl_increase:g}%"
-    )
+        distill_data = DistillData(streams.calib_ids, texts, options.eval_context, work, options.seed)
+        results = whole.run(run, checkpoint, source_config, config, work, layer_files, tokenizer, distill_data, probe_ids)
+        finished, probe, speed, layers_dir = results.finished, results.probe, results.speed, results.layers_dir
+        if results.converted_perplexity:  # a finisher changed the weights: score the result again
+            perplexities = {text: (perplexities[text][0], ppl) for text, ppl in results.converted_perplexity.items()}
+            expected_logits = results.expected_logits
+            refuse_non_finite(perplexities)
+    gate_rows, gate_passed, gate_message = quality_gate(perplexities, options.max_ppl_increase)
+    main_row = gate_rows[0]
     report = Report(
         versions=versions(), command=run.command, source=source.to_dict(), num_layers=run.stream.num_layers,
         hardware=hardware_description(run.device), device=str(run.device), processes=processes.count,
-        calibration={"text": fetched.calib_name, "sequences": len(sequences), "seq_len": int(sequences.shape[1]), "cache_dir": str(run.calib_dir)},
+        calibration={"text": streams.calib_name, "sequences": len(sequences), "seq_len": int(sequences.shape[1]),
+                     "tokens": int(sequences.numel()), "text_tokens": len(streams.calib_ids), "cache_dir": str(run.calib_dir)},
         methods={m.name: m.report() for m in methods}, finishers=finished,
         validation=Validation(
-            eval_text=fetched.eval_name, original=ppl_original.to_dict(), converted=ppl_converted.to_dict(),
-            perplexity_increase_pct=increase, max_ppl_increase_pct=options.max_ppl_increase, gate_passed=gate_passed,
-            gate_message=gate_message, probe=probe,
+            eval_text=main_row["eval_text"], original=main_row["original"], converted=main_row["converted"],
+            perplexity_increase_pct=main_row["perplexity_increase_pct"], max_ppl_increase_pct=options.max_ppl_increase,
+            gate_passed=gate_passed, gate_message=gate_message, probe=probe, texts=gate_rows,
         ),
         speed=speed, dtype=str(run.saved_dtype).removeprefix("torch."), max_shard_size=options.max_shard_size,
         whole_model_steps=whole.describe(), timings=run.timings,
@@ -484,7 +513,7 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> Report:
     def write(directory: Path) -> None:
         from transformers import GenerationConfig
 
-        sizes = pack_shards(work, directory, layer_files, options.max_shard_bytes)
+        sizes = pack_shards(layers_dir, directory, layer_files, options.max_shard_bytes)
         report.parameters = {"original": count_parameters(original_sizes), "converted": count_parameters(sizes)}
         config.save_pretrained(directory)
         generation = Path(source.path) / "generation_config.json"

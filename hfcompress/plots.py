@@ -73,6 +73,27 @@ def speed_bars(speed: dict, path: Path) -> Path:
     return path
 
 
+def learning_curve(record: dict, path: Path) -> Path:
+    """Distillation: KL per token against tokens trained, and perplexity on every evaluation text at the curve points."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.2))
+    kl = record["kl"]
+    left.plot([row["tokens"] for row in kl], [row["kl"] for row in kl], color="tab:blue")
+    left.set_xlabel("tokens trained")
+    left.set_ylabel("KL(original || converted) per token")
+    left.set_yscale("log")
+    points = record["perplexity"]
+    for text in [k for k in points[0] if k != "tokens"]:
+        right.plot([p["tokens"] for p in points], [p[text] for p in points], marker="o", label=text.split(" (")[0])
+    right.set_xlabel("tokens trained")
+    right.set_ylabel(f"perplexity ({record['curve_tokens']} tokens)")
+    right.legend(fontsize=7)
+    fig.suptitle("Distillation learning curve", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def write_plots(report: dict, directory: Path) -> dict[str, str]:
     """The card's PNGs from a report; returns {name: path relative to the repo root}."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -87,6 +108,10 @@ def write_plots(report: dict, directory: Path) -> dict[str, str]:
     validation = report["validation"]
     perplexity_bars(validation["original"]["perplexity"], validation["converted"]["perplexity"], directory / "perplexity.png")
     plots["perplexity"] = "plots/perplexity.png"
+    distill = (report.get("finishers") or {}).get("distillation")
+    if distill and distill["kl"]:
+        learning_curve(distill, directory / "distillation.png")
+        plots["distillation"] = "plots/distillation.png"
     if report.get("speed"):
         speed_bars(report["speed"], directory / "speed.png")
         plots["speed"] = "plots/speed.png"

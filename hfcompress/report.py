@@ -13,6 +13,8 @@ REPORT_FILE = "hfcompress_report.json"
 
 @dataclass
 class Validation:
+    """The gate covers every evaluation text (`texts`); the top-level figures are the calibration domain's."""
+
     eval_text: str
     original: dict  # PerplexityResult.to_dict()
     converted: dict
@@ -22,6 +24,7 @@ class Validation:
     gate_message: str
     probe: dict = field(default_factory=dict)  # {"original"|"converted": {correct, total, accuracy}}
     reload: dict | None = None  # fresh-process reload check (logits or layout)
+    texts: list[dict] = field(default_factory=list)  # per evaluation text: eval_text, original, converted, increase
 
 
 @dataclass

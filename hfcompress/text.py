@@ -9,6 +9,13 @@
 * a FILE: UTF-8 text. As calibration text its first 75% is used; as evaluation text all of it.
 * `auto` (the default): wikitext-2 when the Hub answers, else the built-in text (for evaluation: the held-out last
   25% of the calibration text). Calibration never sees the text perplexity is measured on.
+
+`--ood-text` names a second evaluation text of another domain than calibration, scored whole:
+* `news` (what `auto` picks when it is installed): 300 ABC news articles, the background corpus of Lee, Pincombe and
+  Welsh (2005) that gensim ships as test data (`gensim/test/test_data/lee_background.cor`, ~78k SmolLM2 tokens;
+  `scripts/install.sh` installs the gensim wheel without its dependencies, only for this file, which is read, never
+  imported). News prose shares neither vocabulary nor register with the Python language reference.
+* a FILE, `builtin`, `wikitext-2` (its test split), or `none`.
 """
 
 import importlib.util
@@ -22,16 +29,18 @@ import torch
 from .errors import HfcompressError
 from .progress import console
 
-AUTO, BUILTIN, WIKITEXT = "auto", "builtin", "wikitext-2"
+AUTO, BUILTIN, WIKITEXT, NEWS, NONE = "auto", "builtin", "wikitext-2", "news", "none"
 BUILTIN_TEXT_NAME = "python-language-reference (pydoc_data.topics)"
+NEWS_TEXT_NAME = "lee-news (Lee et al. 2005 background corpus, 300 ABC news articles; gensim test data)"
+NEWS_DISTRIBUTION, NEWS_FILE = "gensim", "gensim/test/test_data/lee_background.cor"
 HELD_OUT_FRACTION = 0.25
 WIKITEXT_REPO, WIKITEXT_CONFIG = "Salesforce/wikitext", "wikitext-2-raw-v1"
 PROBE_TIMEOUT_S = 3.0  # "auto" asks the Hub once with this timeout, so a machine without network falls back at once
 # wikitext-2 train is ~11 MB; calibration needs only its first tokens, and no tokenizer averages 16 characters a token
 CHARS_PER_TOKEN_BOUND = 16
 
-Role = Literal["calibration", "evaluation"]
-_ROLES = {"calibration": ("--calib-text", "train"), "evaluation": ("--eval-text", "test")}
+Role = Literal["calibration", "evaluation", "other-domain"]
+_ROLES = {"calibration": ("--calib-text", "train"), "evaluation": ("--eval-text", "test"), "other-domain": ("--ood-text", "test")}
 
 
 @dataclass(frozen=True)
@@ -47,6 +56,17 @@ def builtin_text() -> str:
     from pydoc_data.topics import topics
 
     return "\n\n".join(topics[key].strip() for key in sorted(topics))
+
+
+def news_file() -> Path | None:
+    """The Lee news corpus file of the installed gensim distribution (located, not imported), or None."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        path = Path(distribution(NEWS_DISTRIBUTION).locate_file(NEWS_FILE))
+    except PackageNotFoundError:
+        return None
+    return path if path.is_file() else None
 
 
 def read_text_file(path: Path) -> str:
@@ -135,12 +155,39 @@ def load_text(spec: str, role: Role, fallback: Text | None = None) -> Text:
 
 
 def check_text_option(spec: str, role: Role) -> None:
-    """Refuse a `--calib-text`/`--eval-text` that is neither a text name nor an existing file (before any work)."""
-    if spec not in (AUTO, BUILTIN, WIKITEXT) and not Path(spec).exists():
+    """Refuse a text option that is neither a text name nor an existing file (before any work)."""
+    names = (AUTO, BUILTIN, WIKITEXT, NEWS, NONE) if role == "other-domain" else (AUTO, BUILTIN, WIKITEXT)
+    if spec not in names and not Path(spec).exists():
         raise HfcompressError(
-            f"{_ROLES[role][0]} '{spec}' is neither a file nor a text name: give a UTF-8 text file, '{BUILTIN}', "
-            f"'{WIKITEXT}' or '{AUTO}'."
+            f"{_ROLES[role][0]} '{spec}' is neither a file nor a text name: give a UTF-8 text file or one of "
+            f"{', '.join(repr(n) for n in names)}."
         )
+    if spec == NEWS and news_file() is None:
+        raise HfcompressError(
+            f"--ood-text {NEWS}: the news corpus comes with the gensim wheel, which is not installed: run "
+            "`pip install --no-deps gensim==4.4.0`, or pass a text file or 'none'."
+        )
+
+
+def other_domain_ids(tokenizer, spec: str, calibration_name: str) -> tuple[torch.Tensor, str] | None:
+    """(ids, name) of the other-domain evaluation text, scored whole; None for 'none' (or 'auto' without gensim)."""
+    if spec == NONE or (spec == AUTO and news_file() is None):
+        if spec == AUTO:
+            console.log("other-domain text: none (auto: gensim, which carries the news corpus, is not installed)")
+        return None
+    if spec in (AUTO, NEWS):
+        text = Text(NEWS_TEXT_NAME, news_file().read_text(encoding="utf-8"), held_out=False)
+    elif spec == BUILTIN:
+        text = Text(BUILTIN_TEXT_NAME, builtin_text(), held_out=False)
+    elif spec == WIKITEXT:
+        text = load_text(WIKITEXT, "other-domain")
+    else:
+        text = Text(str(spec), read_text_file(Path(spec)), held_out=False)
+    if calibration_name.startswith(text.name):
+        raise HfcompressError(
+            f"--ood-text is the calibration text ({text.name}): choose a text of another domain, e.g. '{NEWS}' or a file."
+        )
+    return tokenize(tokenizer, text.text), text.name
 
 
 @dataclass

@@ -9,6 +9,7 @@ shares the original's unchanged tensors (speed does not depend on their values; 
 Distillation holds the original (teacher) and the converted model (student) together.
 """
 
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from torch import nn
 
 from .build import assemble, cast_floating, cast_parameters
 from .checkpoint import Checkpoint, load_tensors, save_tensors
+from .distill import DistillData
 from .errors import HfcompressError
 from .memory import available_memory
 from .methods import Finisher
@@ -35,7 +37,8 @@ class WholeModelResults:
     probe: dict = field(default_factory=dict)
     speed: dict | None = None
     expected_logits: torch.Tensor | None = None  # of the finished model on the reload prompt
-    converted_perplexity: PerplexityResult | None = None  # of the finished model
+    converted_perplexity: dict[str, PerplexityResult] = field(default_factory=dict)  # of the finished model, per text
+    layers_dir: Path | None = None  # where the layer files to write are (the finished ones when a finisher ran)
 
 
 @dataclass
@@ -58,7 +61,7 @@ class WholeModelSteps:
         if finishers and not fits("distill"):
             raise HfcompressError(
                 f"{', '.join(f.name for f in finishers)} train the whole model, which does not fit in {where}: drop "
-                "--lisa-tune-steps/--heal-steps, or run on a device with more memory."
+                "--distill-tokens, or run on a device with more memory."
             )
         skipped, chosen = {}, {}
         for step, asked in (("probe", options.probe), ("speed", options.speed)):
@@ -78,8 +81,8 @@ class WholeModelSteps:
         return {"ran": ran, "skipped": self.skipped, "model_float32_mb": round(self.model_bytes / 2**20, 1)}
 
     def run(self, run, checkpoint: Checkpoint, source_config, config, work: Path, layer_files: list[str], tokenizer,
-            eval_ids: torch.Tensor, probe_ids: torch.Tensor) -> WholeModelResults:
-        results = WholeModelResults()
+            data: DistillData, probe_ids: torch.Tensor) -> WholeModelResults:
+        results = WholeModelResults(layers_dir=work)
         if not (self.probe or self.speed or self.finishers):
             return results
         from transformers import LlamaForCausalLM
@@ -88,39 +91,47 @@ class WholeModelSteps:
             original = assemble(source_config, checkpoint.load(list(checkpoint.files)), cls=LlamaForCausalLM)
         if self.finishers:
             with run.step("whole model: distill"):
-                self._distill(run, original, config, work, layer_files, eval_ids, probe_ids, results)
+                self._distill(run, original, config, work, layer_files, data, probe_ids, results)
         if self.probe:
             with run.step("validate: factual probe (original)"):
                 results.probe["original"] = _probe_record(run_probe(original.to(run.device), tokenizer))
                 original.to("cpu")
         if self.speed:
             with run.step("validate: speed"):
-                view = converted_model(config, work, layer_files, share_with=original)
+                view = converted_model(config, results.layers_dir, layer_files, share_with=original)
+                eval_ids = next(iter(data.evaluations.values()))
                 results.speed = measure_speed(original, view, eval_ids, gpu_dtype=run.saved_dtype, device=run.device)
                 results.speed["note"] = "the converted model shares the original's unchanged float32 tensors"
                 del view
         del original
         if self.probe:
             with run.step("validate: factual probe (converted)"):
-                converted = converted_model(config, work, layer_files).to(run.device)
+                converted = converted_model(config, results.layers_dir, layer_files).to(run.device)
                 results.probe["converted"] = _probe_record(run_probe(converted, tokenizer))
                 del converted
         return results
 
-    def _distill(self, run, original: nn.Module, config, work: Path, layer_files: list[str], eval_ids, probe_ids, results) -> None:
+    def _distill(self, run, original: nn.Module, config, work: Path, layer_files: list[str], data: DistillData, probe_ids, results) -> None:
+        """Train from the converted layer files; the result goes to work/finished, so a rerun starts from the same
+        converted layers (and resumes the training from its own checkpoint)."""
         options, device = run.options, run.device
         student = converted_model(config, work, layer_files).to(device)
         teacher = original.to(device)
         for finisher in self.finishers:
-            student, results.finished[finisher.name] = finisher.finish(student, teacher, run.sequences)
+            student, results.finished[finisher.name] = finisher.finish(student, teacher, data)
         student = cast_parameters(cast_parameters(student, run.saved_dtype), torch.float32)  # as it will be saved
         state = student.state_dict()
+        finished = work / "finished"
+        finished.mkdir(exist_ok=True)
         for idx in range(config.num_hidden_layers):
             prefix = f"model.layers.{idx}."
-            save_tensors({k: cast_floating(v, run.saved_dtype) for k, v in state.items() if k.startswith(prefix)}, work / f"layer-{idx:05d}.safetensors")
-        results.converted_perplexity = perplexity(
-            student, eval_ids.to(device), options.eval_context, max_tokens=options.eval_tokens, label="perplexity: distilled"
-        )
+            save_tensors({k: cast_floating(v, run.saved_dtype) for k, v in state.items() if k.startswith(prefix)}, finished / f"layer-{idx:05d}.safetensors")
+        shutil.copyfile(work / "rest.safetensors", finished / "rest.safetensors")  # embeddings, norm: never trained
+        results.layers_dir = finished
+        for text, ids in data.evaluations.items():
+            results.converted_perplexity[text] = perplexity(
+                student, ids.to(device), options.eval_context, max_tokens=options.eval_tokens, label=f"perplexity: distilled ({text.split(' (')[0]})"
+            )
         with torch.no_grad():
             results.expected_logits = student(probe_ids.to(device), use_cache=False).logits.float().cpu()
         original.to("cpu")

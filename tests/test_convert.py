@@ -163,8 +163,8 @@ def test_eval_and_analyze_commands(tiny_llama_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("HFCOMPRESS_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "out"
     converted = run_cli(
-        str(tiny_llama_dir), "--out", str(out), "--max-ppl-increase", "1000", "--no-probe", "--heal-steps", "3",
-        "--lisa-tune-steps", "2", *FAST
+        str(tiny_llama_dir), "--out", str(out), "--max-ppl-increase", "1000", "--no-probe", "--distill-tokens", "192",
+        "--distill-seq-len", "32", "--distill-lora-rank", "2", *FAST
     )
     assert converted.exit_code == 0, converted.output
     result_path = tmp_path / "eval.json"
@@ -174,8 +174,9 @@ def test_eval_and_analyze_commands(tiny_llama_dir, tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     measured = json.loads(result_path.read_text())
     report = json.loads((out / "hfcompress_report.json").read_text())
-    assert report["finishers"]["fasc_healing"]["steps"] == 3  # LoRA merged: the reload check inside convert passed
-    assert report["finishers"]["lisa_tuning"]["steps"] == 2
+    distill = report["finishers"]["distillation"]  # LoRA merged: the reload check inside convert passed
+    assert distill["steps"] == 6 and [p["tokens"] for p in distill["perplexity"]] == [0, 192]
+    assert (out / "plots" / "distillation.png").is_file() and "Distillation" in (out / "README.md").read_text()
     # same tokens, same windows: eval reproduces the perplexities convert recorded
     assert measured["models"]["baseline"]["perplexity"]["perplexity"] == pytest.approx(
         report["validation"]["original"]["perplexity"], rel=1e-4

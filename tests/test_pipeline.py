@@ -193,8 +193,8 @@ def test_whole_model_steps_skip_by_default_and_refuse_when_asked(tiny, tmp_path,
     monkeypatch.setattr(pipeline, "calibrate", lambda *a: calibrated.append(True))
     with pytest.raises(HfcompressError, match="--probe needs the whole model.*pass --no-probe"):
         pipeline.convert(ConvertOptions(source=str(tiny), out=tmp_path / "a", cache_dir=tmp_path / "cache", **{**SETTINGS, "probe": True}), argv=[])
-    with pytest.raises(HfcompressError, match="lisa_tuning train the whole model"):
-        settings = {**SETTINGS, "distill": DistillOptions(lisa_tune_steps=2)}
+    with pytest.raises(HfcompressError, match="distillation train the whole model"):
+        settings = {**SETTINGS, "distill": DistillOptions(tokens=4096)}
         pipeline.convert(ConvertOptions(source=str(tiny), out=tmp_path / "b", cache_dir=tmp_path / "cache", **settings), argv=[])
     assert calibrated == []
     monkeypatch.setattr(pipeline, "calibrate", lambda *a: None)
@@ -211,7 +211,7 @@ def test_methods_are_registered_units():
 
     methods, finishers = build_methods(ConvertOptions(source="x", out=Path("y"), fasc=FascOptions(budget=0.5)))
     assert [m.name for m in methods] == ["lisa", "fasc"] and set(METHODS) == {"lisa", "fasc"}
-    assert finishers == [] and set(FINISHERS) == {"lisa_tuning", "fasc_healing"}
+    assert finishers == [] and set(FINISHERS) == {"distillation"}
     methods, _ = build_methods(ConvertOptions(source="x", out=Path("y")))
     assert [m.name for m in methods if m.active()] == ["lisa"]  # FASC at budget 1.0 is off
     import inspect

@@ -103,6 +103,11 @@ def token_streams(options: ConvertOptions, tokenizer) -> TokenStreams:
         tokenizer, options.calib_text, options.eval_text, calib_tokens + SELECTION_TOKENS + options.distill.tokens
     )
     sequences = chunk(calib_ids, options.seq_len, options.calib_sequences)
+    if len(sequences) < options.calib_sequences:
+        console.log(
+            f"[yellow]calibration: {calib_name} has {len(calib_ids):,} tokens, {len(sequences)} sequences of "
+            f"{options.seq_len}, not the {options.calib_sequences} asked for: give a longer --calib-text to calibrate on more[/]"
+        )
     selection_ids = calib_ids[sequences.numel() : sequences.numel() + SELECTION_TOKENS]
     evaluations = {eval_name: eval_ids}
     other = other_domain_ids(tokenizer, options.ood_text, calib_name)

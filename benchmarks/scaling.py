@@ -1,0 +1,137 @@
+"""Scaling study on the built-in SmolLM2-135M-Instruct: held-out perplexity against distillation tokens and
+calibration tokens, on the calibration domain's held-out text and on news text of another domain.
+
+    python benchmarks/scaling.py run lisa15-sparse-distill256k      # one conversion, hours on 2 CPU cores
+    python benchmarks/scaling.py report                             # tables + plot from every finished run
+
+Each run is one `hfcompress convert` command (listed in RUNS, so every figure has its command); its report is copied
+to benchmarks/scaling/NAME.json and its log is benchmarks/scaling/NAME.log. The distillation curve comes from the
+stage's own learning curve (perplexity on both texts at 0, 16k, 64k, 256k, ... tokens trained, 4,096 tokens each);
+the calibration axis from separate runs with no distillation.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent / "scaling"
+COMMON = [
+    "--calib-text", "builtin", "--eval-text", "builtin", "--ood-text", "news", "--no-probe", "--no-speed",
+    "--distill-curve-tokens", "4096",
+]
+LISA15 = ["--share-ratio", "0.5", "--lisa-align", "sparse", "--max-ppl-increase", "10"]
+FASC09 = ["--share-ratio", "0", "--fasc-budget", "0.9", "--fasc-method", "fisher", "--max-ppl-increase", "15"]
+RUNS = {
+    "lisa15-sparse-distill256k": LISA15 + ["--distill-tokens", "262144"],
+    "fasc09-fisher-distill64k": FASC09 + ["--distill-tokens", "65536"],
+    "lisa15-dense-distill64k": LISA15[:2] + ["--lisa-align", "dense"] + LISA15[4:] + ["--distill-tokens", "65536"],
+    "lisa15-sparse-calib16k": LISA15 + ["--calib-sequences", "32", "--seq-len", "512"],
+    "lisa15-sparse-calib64k": LISA15 + ["--calib-sequences", "128", "--seq-len", "512"],
+    "lisa15-sparse-calib110k": LISA15 + ["--calib-sequences", "215", "--seq-len", "512"],
+}
+
+
+def command(name: str, out: Path) -> list[str]:
+    return ["hfcompress", "convert", "--out", str(out), "--overwrite", *RUNS[name], *COMMON]
+
+
+def run(name: str, out_root: Path) -> None:
+    out = out_root / name
+    HERE.mkdir(exist_ok=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    argv = command(name, out)
+    executable = Path(sys.executable).parent / argv[0]
+    with open(HERE / f"{name}.log", "w") as log:
+        log.write(" ".join(argv) + "\n")
+        log.flush()
+        code = subprocess.call([str(executable), *argv[1:]], stdout=log, stderr=subprocess.STDOUT, env=env)
+    if (out / "hfcompress_report.json").is_file():  # written also when the gate failed (exit 3)
+        shutil.copy(out / "hfcompress_report.json", HERE / f"{name}.json")
+    print(f"{name}: exit {code}")
+
+
+def short(text: str) -> str:
+    return text.split(" (")[0]
+
+
+def report() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = {p.stem: json.loads(p.read_text()) for p in sorted(HERE.glob("*.json"))}
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    print("## Distillation tokens (learning curve of the distillation stage, 4,096 tokens per text)\n")
+    for name, data in results.items():
+        distill = data["finishers"].get("distillation")
+        if not distill:
+            continue
+        texts = [row["eval_text"] for row in data["validation"]["texts"]]
+        base = {row["eval_text"]: row["original"]["perplexity"] for row in data["validation"]["texts"]}
+        print(f"`{name}`: `{data['command']}`, {distill['seconds']:.0f} s of training, {distill['tokens_per_s']:.0f} tokens/s\n")
+        print("| tokens trained | " + " | ".join(short(t) for t in texts) + " |")
+        print("|---|" + "---|" * len(texts))
+        for point in distill["perplexity"]:
+            cells = [f"{point[t]:.3f} ({100 * (point[t] / base[t] - 1):+.1f}%)" for t in texts]
+            print(f"| {point['tokens']:,} | " + " | ".join(cells) + " |")
+        print()
+        for text, style in zip(texts, ("-o", "--s")):
+            xs = [max(p["tokens"], 4096) for p in distill["perplexity"]]  # 0 drawn at 4k on the log axis
+            ys = [100 * (p[text] / base[text] - 1) for p in distill["perplexity"]]
+            axes[0].plot(xs, ys, style, label=f"{name.split('-distill')[0]}: {short(text)}")
+    axes[0].set_xscale("log")
+    axes[0].set_xlabel("distillation tokens (0 drawn at 4k)")
+    axes[0].set_ylabel("perplexity increase (%)")
+    axes[0].axhline(10, color="gray", linewidth=0.8)
+    axes[0].legend(fontsize=6)
+    rows = []
+    for name, data in results.items():
+        if data["finishers"].get("distillation") or data.get("lisa", {}).get("layers") is None:
+            continue
+        increases = {row["eval_text"]: row["perplexity_increase_pct"] for row in data["validation"]["texts"]}
+        rows.append((data["calibration"]["tokens"], name, increases, data["timings"]))
+    if rows:
+        rows.sort()
+        print("## Calibration tokens (no distillation)\n")
+        texts = list(rows[0][2])
+        print("| calibration tokens | run | " + " | ".join(short(t) for t in texts) + " | calibrate s | convert s |")
+        print("|---|---|" + "---|" * len(texts) + "---|---|")
+        for tokens, name, increases, timings in rows:
+            calibrate_s = sum(v for k, v in timings.items() if k.startswith("calibrate"))
+            cells = [f"{increases[t]:+.1f}%" for t in texts]
+            print(f"| {tokens:,} | {name} | " + " | ".join(cells) + f" | {calibrate_s:.0f} | {timings.get('convert', 0):.0f} |")
+        for text, style in zip(texts, ("-o", "--s")):
+            axes[1].plot([r[0] for r in rows], [r[2][text] for r in rows], style, label=short(text))
+        axes[1].set_xscale("log")
+        axes[1].set_xlabel("calibration tokens")
+        axes[1].set_ylabel("perplexity increase (%)")
+        axes[1].legend(fontsize=7)
+        axes[1].set_title("15 shared layers, no distillation", fontsize=8)
+    fig.suptitle("SmolLM2-135M-Instruct: held-out perplexity, calibration domain and another domain", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(HERE / "scaling.png", dpi=110)
+    print(f"plot: {HERE / 'scaling.png'}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="what", required=True)
+    runner = sub.add_parser("run")
+    runner.add_argument("names", nargs="+", choices=sorted(RUNS))
+    runner.add_argument("--out-root", type=Path, default=Path("/tmp/hfcompress-scaling"))
+    sub.add_parser("report")
+    args = parser.parse_args()
+    if args.what == "run":
+        for name in args.names:
+            run(name, args.out_root)
+    else:
+        report()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""The distillation stage on the tiny random Llama: it trains only what the conversion created (plus merged LoRA when
+asked), lowers the KL to the original, resumes an interrupted run to exactly the uninterrupted result, and the
+quality gate covers every evaluation text."""
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+from hfcompress import distill as distill_module
+from hfcompress.build import build_converted_model
+from hfcompress.calibrate import collect_attention_inputs
+from hfcompress.distill import DistillData, DistillOptions, Distillation, trainable_parameters
+from hfcompress.errors import HfcompressError
+from hfcompress.lisa import LisaOptions, fit_lisa, measure_similarity
+from hfcompress.pipeline import quality_gate
+from hfcompress.text import NEWS_TEXT_NAME, builtin_text, news_file, other_domain_ids, tokenize
+from hfcompress.validate import PerplexityResult
+
+OPTIONS = DistillOptions(tokens=8 * 2 * 32, seq_len=32, batch_size=2, lr=5e-3, curve_tokens=128)
+
+
+@pytest.fixture
+def models(tiny_llama_dir):
+    torch.manual_seed(0)
+    teacher = LlamaForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    ids = tokenize(tokenizer, builtin_text()[:60_000])
+    sequences = ids[: 8 * 64].view(8, 64)
+    inputs = collect_attention_inputs(teacher, sequences)
+    lisa = LisaOptions(layers=[2, 3], steps=2, align="sparse")
+    fitted = fit_lisa(teacher, inputs, [2, 3], measure_similarity(teacher, inputs), lisa)
+    student = build_converted_model(teacher, fitted, {})
+    return teacher, student, ids[8 * 64 :], ids[:2000]
+
+
+def kl(student: nn.Module, teacher: nn.Module, ids: torch.Tensor) -> float:
+    windows = ids[: 4 * 64].view(4, 64)
+    with torch.no_grad():
+        target = torch.log_softmax(teacher(windows).logits, -1)
+        log_probs = torch.log_softmax(student(windows).logits, -1)
+    return nn.functional.kl_div(log_probs, target, log_target=True, reduction="sum").item() / windows.numel()
+
+
+def run_stage(student, teacher, train_ids, eval_ids, work, options=OPTIONS):
+    data = DistillData(train_ids, {"held-out": eval_ids}, 64, work, seed=0)
+    return Distillation(options).finish(student, teacher, data)
+
+
+def test_distillation_trains_only_new_parameters_and_lowers_kl(models, tmp_path):
+    teacher, student, train_ids, eval_ids = models
+    before = {k: v.clone() for k, v in student.state_dict().items()}
+    kl_before = kl(student, teacher, eval_ids)
+    student, record = run_stage(student, teacher, train_ids, eval_ids, tmp_path)
+    assert kl(student, teacher, eval_ids) < kl_before
+    new = {name for name, _ in trainable_parameters(student)}
+    assert new and all("q_lowrank" in n or "k_lowrank" in n or ".align." in n for n in new)
+    after = student.state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and changed <= new  # every original weight is frozen
+    assert record["steps"] == 8 and [p["tokens"] for p in record["perplexity"]] == [0, 512]
+    assert record["trainable_parameters"] == sum(p.numel() for _, p in trainable_parameters(student))
+    assert record["kl"][-1]["tokens"] == 512 and all(row["kl"] > 0 for row in record["kl"])
+
+
+def test_an_interrupted_distillation_resumes_to_the_uninterrupted_result(models, tmp_path, monkeypatch):
+    teacher, student, train_ids, eval_ids = models
+    reference, _ = run_stage(_copy(student), teacher, train_ids, eval_ids, tmp_path / "whole")
+
+    monkeypatch.setattr(distill_module, "CHECKPOINT_SECONDS", 0.0)  # a checkpoint after every step
+    calls = {"n": 0}
+    original_forward = type(student).forward
+
+    def crash_after_five_steps(self, *args, **kwargs):
+        if self.training:
+            calls["n"] += 1
+            if calls["n"] > 5:
+                raise KeyboardInterrupt
+        return original_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(student), "forward", crash_after_five_steps)
+    with pytest.raises(KeyboardInterrupt):
+        run_stage(_copy(student), teacher, train_ids, eval_ids, tmp_path / "split")
+    monkeypatch.setattr(type(student), "forward", original_forward)
+    resumed, record = run_stage(_copy(student), teacher, train_ids, eval_ids, tmp_path / "split")
+    assert record["resumed_at_step"] == 5
+    for (name, a), b in zip(reference.state_dict().items(), resumed.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
+
+
+def test_lora_adapters_are_merged_into_the_unchanged_linears(models, tmp_path):
+    teacher, student, train_ids, eval_ids = models
+    names = set(student.state_dict())
+    v_before = student.model.layers[1].self_attn.v_proj.weight.clone()
+    options = DistillOptions(tokens=4 * 2 * 32, seq_len=32, batch_size=2, lr=5e-3, lora_rank=2, curve_tokens=128)
+    merged, _ = run_stage(student, teacher, train_ids, eval_ids, tmp_path, options)
+    assert set(merged.state_dict()) == names  # no adapter left: the saved shapes are the converted ones
+    assert not torch.equal(merged.model.layers[1].self_attn.v_proj.weight, v_before)
+
+
+def test_the_quality_gate_covers_every_text():
+    def pair(original, converted):
+        return PerplexityResult(original, 100, 64, 64), PerplexityResult(converted, 100, 64, 64)
+
+    rows, passed, message = quality_gate({"own (x)": pair(10.0, 10.5), "other (y)": pair(20.0, 23.0)}, 10.0)
+    assert not passed and [round(r["perplexity_increase_pct"], 1) for r in rows] == [5.0, 15.0]
+    assert "own 10.000 -> 10.500 (+5.00%)" in message and "other 20.000 -> 23.000 (+15.00%)" in message
+    assert quality_gate({"own": pair(10.0, 10.5), "other": pair(20.0, 21.0)}, 10.0)[1]
+
+
+def test_other_domain_text(tiny_llama_dir, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    assert other_domain_ids(tokenizer, "none", "python-language-reference") is None
+    own = tmp_path / "own.txt"
+    own.write_text("word " * 500)
+    with pytest.raises(HfcompressError, match="--ood-text is the calibration text"):
+        other_domain_ids(tokenizer, str(own), f"{own}, first 75%")
+    if news_file() is None:
+        pytest.skip("gensim (the news corpus) is not installed")
+    ids, name = other_domain_ids(tokenizer, "news", "python-language-reference (pydoc_data.topics), first 75%")
+    assert name == NEWS_TEXT_NAME and len(ids) > 50_000
+
+
+def _copy(model: nn.Module) -> nn.Module:
+    import copy
+
+    return copy.deepcopy(model)

@@ -10,11 +10,22 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 from hfcompress import distill as distill_module
 from hfcompress.build import build_converted_model
 from hfcompress.calibrate import collect_attention_inputs
-from hfcompress.distill import DistillData, DistillOptions, Distillation, trainable_parameters
+from hfcompress.distill import (
+    Distillation,
+    DistillData,
+    DistillOptions,
+    trainable_parameters,
+)
 from hfcompress.errors import HfcompressError
 from hfcompress.lisa import LisaOptions, fit_lisa, measure_similarity
 from hfcompress.pipeline import quality_gate
-from hfcompress.text import NEWS_TEXT_NAME, builtin_text, news_file, other_domain_ids, tokenize
+from hfcompress.text import (
+    NEWS_TEXT_NAME,
+    builtin_text,
+    news_file,
+    other_domain_ids,
+    tokenize,
+)
 from hfcompress.validate import PerplexityResult
 
 OPTIONS = DistillOptions(tokens=8 * 2 * 32, seq_len=32, batch_size=2, lr=5e-3, curve_tokens=128)

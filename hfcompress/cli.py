@@ -228,6 +228,7 @@ def evaluate(
     model: str = typer.Argument(..., help="A converted model: hfcompress output directory or Hub id."),
     baseline: str = typer.Option(None, help="Original model to measure beside it (any SOURCE form of `convert`)."),
     eval_text: str = typer.Option("auto", help=f"Perplexity text: {TEXT_HELP}; wikitext-2 reads its test split; auto: wikitext-2 when the Hub answers, else the held-out last 25% of builtin."),
+    ood_text: str = typer.Option("auto", help="Second perplexity text, of another domain: news (auto, when installed), FILE, builtin, wikitext-2 or none."),
     context: int = typer.Option(512, help="Perplexity window in tokens."),
     stride: int = typer.Option(None, help="Window stride in tokens (default: = context)."),
     eval_tokens: int = typer.Option(None, help="Score only the first N tokens (default: all)."),
@@ -242,7 +243,7 @@ def evaluate(
     from .evaluate import evaluate as run_evaluate
 
     def action() -> None:
-        result = run_evaluate(model, baseline, eval_text, context, stride, eval_tokens, speed, probe, trust_remote_code)
+        result = run_evaluate(model, baseline, eval_text, ood_text, context, stride, eval_tokens, speed, probe, trust_remote_code)
         if json_out:
             json_out.write_text(json.dumps(result, indent=2))
 

@@ -43,6 +43,7 @@ class Prepared:
 def prepare(options: ConvertOptions) -> Prepared:
     source = resolve_source(options.source, options.revision, None, options.trust_remote_code)
     model, tokenizer = load_source(source)
-    sequences, eval_ids, _, _, _ = token_streams(options, tokenizer)
+    streams = token_streams(options, tokenizer)
+    sequences, eval_ids = streams.sequences, next(iter(streams.evaluations.values()))
     cache = options.cache_dir / "benchmarks" / cache_key(source_identity(source), tensor_fingerprint(sequences))
     return Prepared(model, tokenizer, sequences, eval_ids, cache)

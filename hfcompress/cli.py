@@ -19,7 +19,7 @@ app = typer.Typer(
 )
 
 INTERRUPTED_EXIT = 130
-TEXT_HELP = "FILE (UTF-8), 'builtin' (Python language reference, offline), 'wikitext-2' (Hub, via datasets) or 'auto'"
+TEXT_HELP = "FILE (UTF-8), 'builtin' (Python language reference, offline), 'wikitext-2' or hf:OWNER/NAME[:CONFIG] (Hub, via datasets) or 'auto'"
 
 
 def _run(action) -> None:

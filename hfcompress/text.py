@@ -7,6 +7,8 @@
 * `builtin`: the CPython language reference shipped as `pydoc_data.topics` (~465 kB of English prose, offline).
   Calibration reads its first 75%, evaluation its held-out last 25%.
 * a FILE: UTF-8 text. As calibration text its first 75% is used; as evaluation text all of it.
+* `hf:OWNER/NAME[:CONFIG]`: the `text` column of any `datasets` dataset on the Hub (train split for calibration,
+  test split for evaluation), pinned to the commit the Hub names at load time.
 * `auto` (the default): wikitext-2 when the Hub answers, else the built-in text (for evaluation: the held-out last
   25% of the calibration text). Calibration never sees the text perplexity is measured on.
 
@@ -30,6 +32,7 @@ from .errors import HfcompressError
 from .progress import console
 
 AUTO, BUILTIN, WIKITEXT, NEWS, NONE = "auto", "builtin", "wikitext-2", "news", "none"
+DATASET_PREFIX = "hf:"  # hf:REPO[:CONFIG], any `datasets` text dataset on the Hub
 BUILTIN_TEXT_NAME = "python-language-reference (pydoc_data.topics)"
 NEWS_TEXT_NAME = "lee-news (Lee et al. 2005 background corpus, 300 ABC news articles; gensim test data)"
 NEWS_DISTRIBUTION, NEWS_FILE = "gensim", "gensim/test/test_data/lee_background.cor"
@@ -80,43 +83,63 @@ def read_text_file(path: Path) -> str:
 
 
 @lru_cache(maxsize=8)
-def _probe_wikitext(endpoint: str) -> tuple[str | None, str | None]:
-    """(commit sha of Salesforce/wikitext, None) or (None, why it is unavailable): one request, bounded in time.
+def _probe_dataset(endpoint: str, repo: str = WIKITEXT_REPO) -> tuple[str | None, str | None]:
+    """(commit sha of dataset `repo`, None) or (None, why it is unavailable): one request, bounded in time.
 
-    Cached per endpoint, so calibration and evaluation in one run ask once."""
+    Cached per endpoint and repo, so calibration and evaluation in one run ask once."""
     from huggingface_hub import HfApi
 
     try:
-        info = HfApi(endpoint=endpoint).dataset_info(WIKITEXT_REPO, timeout=PROBE_TIMEOUT_S)
+        info = HfApi(endpoint=endpoint).dataset_info(repo, timeout=PROBE_TIMEOUT_S)
     except Exception as err:  # DNS, refused, timeout, 401/404: every failure means the same here
         status = getattr(getattr(err, "response", None), "status_code", None)
         if status:
-            return None, f"{endpoint} answered HTTP {status} for {WIKITEXT_REPO}"
+            return None, f"{endpoint} answered HTTP {status} for {repo}"
         return None, f"the Hub at {endpoint} is unreachable ({type(err).__name__})"
     return info.sha, None
 
 
-def _wikitext_revision() -> tuple[str | None, str | None]:
-    """(revision to load, None) or (None, why wikitext-2 cannot be loaded from the Hub now)."""
+def _dataset_revision(repo: str = WIKITEXT_REPO) -> tuple[str | None, str | None]:
+    """(revision to load, None) or (None, why dataset `repo` cannot be loaded from the Hub now)."""
     from huggingface_hub import constants
 
     if constants.HF_HUB_OFFLINE:
         return None, "HF_HUB_OFFLINE is set"
     if importlib.util.find_spec("datasets") is None:
         return None, "the datasets package is not installed"
-    return _probe_wikitext(constants.ENDPOINT)
+    return _probe_dataset(constants.ENDPOINT, repo)
+
+
+def _load_dataset(repo: str, config: str | None, split: str, revision: str | None) -> Text:
+    """The `text` column of a `datasets` dataset split, rows joined with blank lines, named with its revision."""
+    import datasets
+
+    described = f"{repo} ({config + ', ' if config else ''}{split} split)"
+    try:
+        rows = datasets.load_dataset(repo, config, split=split, revision=revision)
+    except Exception as err:  # datasets raises many kinds (connection, missing cache, bad files): one sentence for all
+        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise HfcompressError(f"Cannot load {described}: {first_line}") from err
+    if "text" not in rows.column_names:
+        raise HfcompressError(f"{described} has no 'text' column (it has {', '.join(rows.column_names)}): choose a text dataset.")
+    at = f" @{revision[:8]}" if revision else ""
+    return Text(f"{repo}{' ' + config if config else ''}, {split} split{at}", "\n\n".join(rows["text"]), held_out=False)
 
 
 def _load_wikitext(split: str, revision: str | None) -> Text:
-    import datasets
+    return _load_dataset(WIKITEXT_REPO, WIKITEXT_CONFIG, split, revision)
 
-    try:
-        rows = datasets.load_dataset(WIKITEXT_REPO, WIKITEXT_CONFIG, split=split, revision=revision)
-    except Exception as err:  # datasets raises many kinds (connection, missing cache, bad files): one sentence for all
-        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise HfcompressError(f"Cannot load {WIKITEXT_REPO} ({WIKITEXT_CONFIG}, {split} split): {first_line}") from err
-    at = f" @{revision[:8]}" if revision else ""
-    return Text(f"{WIKITEXT_REPO} {WIKITEXT_CONFIG}, {split} split{at}", "\n\n".join(rows["text"]), held_out=False)
+
+def _load_named_dataset(spec: str, role: Role) -> Text:
+    """`hf:REPO[:CONFIG]`: calibration reads its train split, evaluation its test split."""
+    from huggingface_hub import constants
+
+    repo, _, config = spec.removeprefix(DATASET_PREFIX).partition(":")
+    option, split = _ROLES[role]
+    revision, reason = (None, None) if constants.HF_HUB_OFFLINE else _dataset_revision(repo)
+    if reason is not None:
+        raise HfcompressError(f"{option} {spec}: {reason}; check the network, or set HF_HUB_OFFLINE=1 to use a cached copy.")
+    return _load_dataset(repo, config or None, split, revision)
 
 
 def load_text(spec: str, role: Role, fallback: Text | None = None) -> Text:
@@ -126,7 +149,7 @@ def load_text(spec: str, role: Role, fallback: Text | None = None) -> Text:
     with one console line saying which and why."""
     option, split = _ROLES[role]
     if spec == AUTO:
-        revision, reason = _wikitext_revision()
+        revision, reason = _dataset_revision()
         if reason is None:
             try:
                 text = _load_wikitext(split, revision)
@@ -143,24 +166,30 @@ def load_text(spec: str, role: Role, fallback: Text | None = None) -> Text:
     if spec == WIKITEXT:
         from huggingface_hub import constants
 
-        revision, reason = (None, None) if constants.HF_HUB_OFFLINE else _wikitext_revision()  # offline: the cached copy
+        revision, reason = (None, None) if constants.HF_HUB_OFFLINE else _dataset_revision()  # offline: the cached copy
         if reason is not None:
             raise HfcompressError(
                 f"{option} {WIKITEXT}: {reason}; check the network, set HF_HUB_OFFLINE=1 to use a cached copy, "
                 f"or pass '{BUILTIN}' or a text file."
             )
         return _load_wikitext(split, revision)
+    if spec.startswith(DATASET_PREFIX):
+        return _load_named_dataset(spec, role)
     check_text_option(spec, role)
     return Text(str(spec), read_text_file(Path(spec)), held_out=role == "calibration")
 
 
 def check_text_option(spec: str, role: Role) -> None:
     """Refuse a text option that is neither a text name nor an existing file (before any work)."""
-    names = (AUTO, BUILTIN, WIKITEXT, NEWS, NONE) if role == "other-domain" else (AUTO, BUILTIN, WIKITEXT)
+    names = (NEWS, BUILTIN, WIKITEXT, NONE, AUTO) if role == "other-domain" else (BUILTIN, WIKITEXT, AUTO)
+    if spec.startswith(DATASET_PREFIX):
+        if not spec.removeprefix(DATASET_PREFIX).partition(":")[0].count("/") == 1:
+            raise HfcompressError(f"{_ROLES[role][0]} '{spec}': write a Hub dataset as hf:owner/name or hf:owner/name:config.")
+        return
     if spec not in names and not Path(spec).exists():
         raise HfcompressError(
-            f"{_ROLES[role][0]} '{spec}' is neither a file nor a text name: give a UTF-8 text file or one of "
-            f"{', '.join(repr(n) for n in names)}."
+            f"{_ROLES[role][0]} '{spec}' is neither a file nor a text name: give a UTF-8 text file, a Hub dataset "
+            f"(hf:owner/name[:config]), {', '.join(repr(n) for n in names[:-1])} or {names[-1]!r}."
         )
     if spec == NEWS and news_file() is None:
         raise HfcompressError(
@@ -179,8 +208,8 @@ def other_domain_ids(tokenizer, spec: str, calibration_name: str) -> tuple[torch
         text = Text(NEWS_TEXT_NAME, news_file().read_text(encoding="utf-8"), held_out=False)
     elif spec == BUILTIN:
         text = Text(BUILTIN_TEXT_NAME, builtin_text(), held_out=False)
-    elif spec == WIKITEXT:
-        text = load_text(WIKITEXT, "other-domain")
+    elif spec == WIKITEXT or spec.startswith(DATASET_PREFIX):
+        text = load_text(spec, "other-domain")
     else:
         text = Text(str(spec), read_text_file(Path(spec)), held_out=False)
     if calibration_name.startswith(text.name):

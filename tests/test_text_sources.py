@@ -21,8 +21,16 @@ from typer.testing import CliRunner
 import hfcompress.text as text_module
 from hfcompress.cli import app
 from hfcompress.config import ConvertOptions
+from hfcompress.errors import HfcompressError
 from hfcompress.pipeline import Run, fetch
-from hfcompress.text import BUILTIN_TEXT_NAME, WIKITEXT_CONFIG, WIKITEXT_REPO, builtin_text, load_text
+from hfcompress.text import (
+    BUILTIN_TEXT_NAME,
+    WIKITEXT_CONFIG,
+    WIKITEXT_REPO,
+    builtin_text,
+    check_text_option,
+    load_text,
+)
 
 runner = CliRunner()
 FAST = [
@@ -70,9 +78,9 @@ def wikitext_hub(local_hub):
 
 @pytest.fixture(autouse=True)
 def _fresh_probe():
-    text_module._probe_wikitext.cache_clear()  # each test's endpoint is asked afresh
+    text_module._probe_dataset.cache_clear()  # each test's endpoint is asked afresh
     yield
-    text_module._probe_wikitext.cache_clear()
+    text_module._probe_dataset.cache_clear()
 
 
 @pytest.fixture
@@ -108,6 +116,26 @@ def test_wikitext2_loads_through_datasets(wikitext_hub, hub_env):
     assert hub.requests_matching(contains=f"/datasets/{WIKITEXT_REPO}/resolve/{sha}/{WIKITEXT_CONFIG}/test-")
 
 
+LOAD_NAMED = """
+import json
+from hfcompress.text import load_text
+print(json.dumps({role: load_text("hf:Salesforce/wikitext:wikitext-2-raw-v1", role).name for role in ("calibration", "evaluation")}))
+"""
+
+
+def test_any_hub_dataset_by_name(wikitext_hub, hub_env):
+    hub, sha, train, test = wikitext_hub
+    proc = subprocess.run([sys.executable, "-c", LOAD_NAMED], env=hub_env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert names == {
+        "calibration": f"{WIKITEXT_REPO} {WIKITEXT_CONFIG}, train split @{sha[:8]}",
+        "evaluation": f"{WIKITEXT_REPO} {WIKITEXT_CONFIG}, test split @{sha[:8]}",
+    }
+    with pytest.raises(HfcompressError, match="write a Hub dataset as hf:owner/name"):
+        check_text_option("hf:wikitext", "calibration")
+
+
 @pytest.mark.slow  # a full convert + eval of the tiny model in subprocesses: ~50 s on 2 cores
 def test_convert_and_eval_use_wikitext2_when_the_hub_answers(wikitext_hub, hub_env, tiny_llama_dir, tmp_path):
     hub, sha, _, _ = wikitext_hub
@@ -129,7 +157,9 @@ def test_convert_and_eval_use_wikitext2_when_the_hub_answers(wikitext_hub, hub_e
         seq_len=64, cache_dir=tmp_path / "cache",
     ), argv=None)
     builtin = fetch(run, [])
-    assert (builtin.calib_name, builtin.eval_name) == (f"{BUILTIN_TEXT_NAME}, first 75%", f"{BUILTIN_TEXT_NAME}, held-out last 25%")
+    assert (builtin.streams.calib_name, next(iter(builtin.streams.evaluations))) == (
+        f"{BUILTIN_TEXT_NAME}, first 75%", f"{BUILTIN_TEXT_NAME}, held-out last 25%"
+    )
     assert str(run.calib_dir) != report["calibration"]["cache_dir"]  # same model and settings, other text: other cache
 
     proc = cli(["eval", str(out), "--eval-tokens", "512", "--no-speed", "--no-probe", "--json", str(tmp_path / "e.json")], env)

@@ -4,7 +4,7 @@
 
 * `wikitext-2`: Salesforce/wikitext, config wikitext-2-raw-v1, through `datasets`. Calibration reads the train split,
   evaluation the test split (the standard protocol), lines joined with blank lines as in the HF perplexity guide.
-* `builtin`: the CPython language reference shipped as `pydoc_data.topics` (~465 kB of English prose, offline).
+* `builtin`: the CPython language reference shipped as `pydoc_data.topics` (~465 kB of English prose, offline; 84,830 SmolLM2 tokens in its first 75%).
   Calibration reads its first 75%, evaluation its held-out last 25%.
 * a FILE: UTF-8 text. As calibration text its first 75% is used; as evaluation text all of it.
 * `hf:OWNER/NAME[:CONFIG]`: the `text` column of any `datasets` dataset on the Hub (train split for calibration,

@@ -123,8 +123,9 @@ class Finisher(ABC):
         """The finisher configured by ConvertOptions, or None when the options turn it off."""
 
     @abstractmethod
-    def finish(self, student: nn.Module, teacher: nn.Module, sequences: torch.Tensor) -> tuple[nn.Module, dict]:
-        """Train `student` (on its device); returns it (or its replacement) and the record for the report."""
+    def finish(self, student: nn.Module, teacher: nn.Module, data) -> tuple[nn.Module, dict]:
+        """Train `student` (on its device) on `data` (distill.DistillData: training tokens, evaluation texts, the
+        work directory for resumable state); returns it (or its replacement) and the record for the report."""
 
 
 METHODS: dict[str, type[Method]] = {}

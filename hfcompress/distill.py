@@ -148,10 +148,11 @@ def distill(student: nn.Module, teacher: nn.Module, data: DistillData, options: 
 
     student.train()
     teacher.eval()
-    started, last_save, kl_sum, kl_count = time.perf_counter(), time.perf_counter(), 0.0, 0
+    started, kl_sum, kl_count = time.perf_counter(), 0.0, 0
     seconds_before = record["seconds"]
     if step == 0:
         measure(0)
+    last_save = time.perf_counter()  # the first checkpoint comes CHECKPOINT_SECONDS after training starts
     with training_bar(steps * tokens_per_step, "distill: KL to the original", done=step * tokens_per_step) as advance:
         while step < steps:
             ids = data.train_ids[starts[step][:, None] + offsets].to(device)

@@ -224,8 +224,11 @@ class Distillation(Finisher):
     def from_options(cls, options) -> "Distillation | None":
         return cls(options.distill) if options.distill.tokens else None
 
+    def settings(self) -> dict:
+        return asdict(self.options)
+
     def state_dir(self, work: Path) -> Path:
-        return work / f"distill-{cache_key(asdict(self.options))}"
+        return work / f"distill-{cache_key(self.settings())}"
 
     def finish(self, student: nn.Module, teacher: nn.Module, data: DistillData) -> tuple[nn.Module, dict]:
         student = prepare_student(student, self.options)

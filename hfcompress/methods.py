@@ -122,6 +122,10 @@ class Finisher(ABC):
     def from_options(cls, options) -> "Finisher | None":
         """The finisher configured by ConvertOptions, or None when the options turn it off."""
 
+    def settings(self) -> dict:
+        """What changes its result (the key of its files in the work directory)."""
+        return {}
+
     @abstractmethod
     def finish(self, student: nn.Module, teacher: nn.Module, data) -> tuple[nn.Module, dict]:
         """Train `student` (on its device) on `data` (distill.DistillData: training tokens, evaluation texts, the

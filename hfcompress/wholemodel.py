@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .build import assemble, cast_floating, cast_parameters
+from .calibrate import cache_key
 from .checkpoint import Checkpoint, load_tensors, save_tensors
 from .distill import DistillData
 from .errors import HfcompressError
@@ -112,8 +113,8 @@ class WholeModelSteps:
         return results
 
     def _distill(self, run, original: nn.Module, config, work: Path, layer_files: list[str], data: DistillData, probe_ids, results) -> None:
-        """Train from the converted layer files; the result goes to work/finished, so a rerun starts from the same
-        converted layers (and resumes the training from its own checkpoint)."""
+        """Train from the converted layer files; the result goes to its own directory (keyed by the finishers'
+        settings), so a rerun starts from the same converted layers and resumes the training from its checkpoint."""
         options, device = run.options, run.device
         student = converted_model(config, work, layer_files).to(device)
         teacher = original.to(device)
@@ -121,7 +122,7 @@ class WholeModelSteps:
             student, results.finished[finisher.name] = finisher.finish(student, teacher, data)
         student = cast_parameters(cast_parameters(student, run.saved_dtype), torch.float32)  # as it will be saved
         state = student.state_dict()
-        finished = work / "finished"
+        finished = work / f"finished-{cache_key([(f.name, f.settings()) for f in self.finishers])}"
         finished.mkdir(exist_ok=True)
         for idx in range(config.num_hidden_layers):
             prefix = f"model.layers.{idx}."

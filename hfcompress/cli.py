@@ -94,7 +94,8 @@ def convert(
     ),
     distill_seq_len: int = typer.Option(DistillOptions.seq_len, help="Distillation: tokens per training window."),
     distill_batch_size: int = typer.Option(DistillOptions.batch_size, help="Distillation: windows per step."),
-    distill_lr: float = typer.Option(DistillOptions.lr, help="Distillation: AdamW learning rate (cosine decay, 5% warm-up)."),
+    distill_lr: float = typer.Option(DistillOptions.lr, help="Distillation: AdamW learning rate of LISA's new modules (cosine decay, 5% warm-up)."),
+    distill_weight_lr: float = typer.Option(DistillOptions.weight_lr, help="Distillation: learning rate of FASC factors and LoRA adapters."),
     distill_lora_rank: int = typer.Option(
         DistillOptions.lora_rank, help="Distillation: also train LoRA adapters of this rank on the unchanged linears, merged before saving (0 = off)."
     ),
@@ -172,6 +173,7 @@ def convert(
                 seq_len=distill_seq_len,
                 batch_size=distill_batch_size,
                 lr=distill_lr,
+                weight_lr=distill_weight_lr,
                 lora_rank=distill_lora_rank,
                 curve_tokens=distill_curve_tokens,
                 gradient_checkpointing=distill_gradient_checkpointing,

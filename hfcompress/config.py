@@ -139,8 +139,9 @@ class ConvertOptions:
         _at_least(distill.batch_size, 1, "--distill-batch-size")
         _at_least(distill.lora_rank, 0, "--distill-lora-rank")
         _at_least(distill.curve_tokens, 2, "--distill-curve-tokens")
-        if not (math.isfinite(distill.lr) and distill.lr > 0):
-            raise HfcompressError(f"--distill-lr must be a learning rate > 0, got {distill.lr}.")
+        for option, lr in (("--distill-lr", distill.lr), ("--distill-weight-lr", distill.weight_lr)):
+            if not (math.isfinite(lr) and lr > 0):
+                raise HfcompressError(f"{option} must be a learning rate > 0, got {lr}.")
         if distill.tokens and 0 < distill.tokens < distill.seq_len * distill.batch_size:
             raise HfcompressError(
                 f"--distill-tokens {distill.tokens} is less than one step ({distill.batch_size} x {distill.seq_len} tokens): "

@@ -43,7 +43,8 @@ class DistillOptions:
     tokens: int = 0  # training tokens (0 = off); windows are drawn from the calibration text, cycling if it is shorter
     seq_len: int = 512  # tokens per training window
     batch_size: int = 1  # windows per step
-    lr: float = 1e-3  # AdamW, cosine decay to 0 over the budget, 5% warm-up
+    lr: float = 1e-3  # AdamW for LISA's new modules (small, freshly fitted), cosine decay to 0, 5% warm-up
+    weight_lr: float = 5e-5  # for FASC factors and LoRA adapters: full weight matrices diverge at the modules' rate
     lora_rank: int = 0  # LoRA (peft) on the frozen dense linears, merged before saving; 0 = only the new parameters
     curve_tokens: int = 2048  # evaluation tokens per text at each curve point (the final figure uses --eval-tokens)
     gradient_checkpointing: bool = False  # recompute each layer in backward: less memory, about 30% more time
@@ -109,7 +110,10 @@ def distill(student: nn.Module, teacher: nn.Module, data: DistillData, options: 
     if not parameters:
         raise HfcompressError("--distill-tokens has nothing to train: the conversion changed no layer.")
     steps, tokens_per_step = options.steps, options.seq_len * options.batch_size
-    optimizer = torch.optim.AdamW(parameters, lr=options.lr, weight_decay=0.0)
+    modules = [p for n, p in named if is_lisa_parameter(n)]
+    weights = [p for n, p in named if not is_lisa_parameter(n)]  # FASC factors, LoRA adapters
+    groups = [{"params": group, "lr": lr} for group, lr in ((modules, options.lr), (weights, options.weight_lr)) if group]
+    optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
     warmup = max(1, steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))

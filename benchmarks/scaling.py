@@ -26,9 +26,11 @@ COMMON = [
 LISA15 = ["--share-ratio", "0.5", "--lisa-align", "sparse", "--max-ppl-increase", "10"]
 FASC09 = ["--share-ratio", "0", "--fasc-budget", "0.9", "--fasc-method", "fisher", "--max-ppl-increase", "15"]
 RUNS = {
+    "lisa15-sparse-distill64k": LISA15 + ["--distill-tokens", "65536"],
     "lisa15-sparse-distill256k": LISA15 + ["--distill-tokens", "262144"],
     "fasc09-fisher-distill64k": FASC09 + ["--distill-tokens", "65536"],
-    "lisa15-dense-distill64k": LISA15[:2] + ["--lisa-align", "dense"] + LISA15[4:] + ["--distill-tokens", "65536"],
+    "lisa15-sparse-distill16k": LISA15 + ["--distill-tokens", "16384"],
+    "lisa15-dense-distill16k": LISA15[:2] + ["--lisa-align", "dense"] + LISA15[4:] + ["--distill-tokens", "16384"],
     "lisa15-sparse-calib16k": LISA15 + ["--calib-sequences", "32", "--seq-len", "512"],
     "lisa15-sparse-calib64k": LISA15 + ["--calib-sequences", "128", "--seq-len", "512"],
     "lisa15-sparse-calib84k": LISA15 + ["--calib-sequences", "165", "--seq-len", "512"],  # all of builtin's 75%

@@ -29,8 +29,10 @@ def summary_table(report: dict, wall: float, peak_rss_mb: float) -> str:
         ("layers shared (LISA)", f"{len(lisa['layers'])}/{report['num_layers']}: {lisa['layers']}"),
         ("shared Q/K smaller by", f"{lisa['qk_compression_measured']:.2f}x" if lisa["qk_compression_measured"] else "-"),
         ("parameters", f"{params['original']['total']:,} -> {params['converted']['total']:,}"),
-        ("perplexity (held-out)", f"{validation['original']['perplexity']:.3f} -> {validation['converted']['perplexity']:.3f} "
-                                  f"({validation['perplexity_increase_pct']:+.2f}%)"),
+        *((f"perplexity, {row['eval_text'].split(' (')[0]}", f"{row['original']['perplexity']:.3f} -> "
+           f"{row['converted']['perplexity']:.3f} ({row['perplexity_increase_pct']:+.2f}%)") for row in validation["texts"]),
+        ("distillation", f"{distill['steps'] * distill['seq_len'] * distill['batch_size']:,} tokens, {distill['seconds']:.0f} s"
+         if (distill := report["finishers"].get("distillation")) else "-"),
         ("factual probe", f"{probe['original']['correct']} -> {probe['converted']['correct']} / {probe['original']['total']}"
          if probe else "-"),
         ("prefill tok/s", f"{speed['original']['prefill_tokens_per_s']:.1f} -> {speed['converted']['prefill_tokens_per_s']:.1f} "

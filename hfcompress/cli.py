@@ -5,7 +5,7 @@ from pathlib import Path
 
 import typer
 
-from .distill import DistillOptions
+from .distill import DEFAULT_TOKENS, DistillOptions
 from .errors import HfcompressError
 from .fasc import DEFAULT_TARGETS, METHODS, FascOptions
 from .lisa import DEFAULT_SHARE_RATIO, LisaOptions
@@ -90,7 +90,7 @@ def convert(
         None, help="FASC: linears whose rho (activation-gradient dependence) exceeds this stay dense (default: none)."
     ),
     distill_tokens: int = typer.Option(
-        DistillOptions.tokens, help="Distillation: train every new parameter end to end (KL to the original) on this many calibration-text tokens (0 = off)."
+        None, help=f"Distillation: train every new parameter end to end (KL to the original) on this many calibration-text tokens (default: {DEFAULT_TOKENS} when the whole model fits; 0 = off)."
     ),
     distill_seq_len: int = typer.Option(DistillOptions.seq_len, help="Distillation: tokens per training window."),
     distill_batch_size: int = typer.Option(DistillOptions.batch_size, help="Distillation: windows per step."),

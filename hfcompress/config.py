@@ -134,7 +134,8 @@ class ConvertOptions:
         if fasc.rho_keep_threshold is not None and not fasc.rho_keep_threshold >= 0:
             raise HfcompressError(f"--fasc-rho-keep must be >= 0, got {fasc.rho_keep_threshold}.")
 
-        _at_least(distill.tokens, 0, "--distill-tokens")
+        if distill.tokens is not None:
+            _at_least(distill.tokens, 0, "--distill-tokens")
         _at_least(distill.seq_len, 16, "--distill-seq-len")
         _at_least(distill.batch_size, 1, "--distill-batch-size")
         _at_least(distill.lora_rank, 0, "--distill-lora-rank")
@@ -147,8 +148,8 @@ class ConvertOptions:
                 f"--distill-tokens {distill.tokens} is less than one step ({distill.batch_size} x {distill.seq_len} tokens): "
                 "give more tokens or a shorter --distill-seq-len."
             )
-        if not distill.tokens and (distill.lora_rank or distill.gradient_checkpointing):
-            raise HfcompressError("--distill-lora-rank and --distill-gradient-checkpointing configure distillation: add --distill-tokens N.")
+        if distill.tokens == 0 and (distill.lora_rank or distill.gradient_checkpointing):
+            raise HfcompressError("--distill-lora-rank and --distill-gradient-checkpointing configure distillation, which --distill-tokens 0 turns off.")
         if distill.tokens and (lisa.layers == [] or lisa.share_ratio == 0) and fasc.budget >= 1.0 and not distill.lora_rank:
             raise HfcompressError(
                 "--distill-tokens trains what the conversion creates, and this one shares no layer and factorises none: "

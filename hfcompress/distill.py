@@ -13,9 +13,10 @@ output; this stage trains each new module for its effect on the output, which is
 """
 
 import math
+import os
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -34,13 +35,14 @@ LORA_TARGETS = ("v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # dens
 CHECKPOINT_SECONDS = 120.0  # save the training state this often (and at every curve point)
 CURVE_FIRST_POINT = 16_384  # curve points at 0, 16k, 64k, 256k, ... tokens (x4) and at the budget
 KL_LOG_EVERY = 16_384  # tokens per averaged point of the KL curve
+DEFAULT_TOKENS = 16_384  # when --distill-tokens is not given and the whole model fits (measured: benchmarks/scaling)
 
 
 @dataclass
 class DistillOptions:
     """`--distill-*`: the training stage's budget and optimiser."""
 
-    tokens: int = 0  # training tokens (0 = off); windows are drawn from the calibration text, cycling if it is shorter
+    tokens: int | None = None  # training tokens (0 = off; None = DEFAULT_TOKENS when the whole model fits, else off)
     seq_len: int = 512  # tokens per training window
     batch_size: int = 1  # windows per step
     lr: float = 1e-3  # AdamW for LISA's new modules (small, freshly fitted), cosine decay to 0, 5% warm-up
@@ -50,13 +52,18 @@ class DistillOptions:
     gradient_checkpointing: bool = False  # recompute each layer in backward: less memory, about 30% more time
 
     @property
+    def budget(self) -> int:
+        """The token budget: `tokens`, or DEFAULT_TOKENS when not given."""
+        return DEFAULT_TOKENS if self.tokens is None else self.tokens
+
+    @property
     def steps(self) -> int:
-        return math.ceil(self.tokens / (self.seq_len * self.batch_size)) if self.tokens else 0
+        return math.ceil(self.budget / (self.seq_len * self.batch_size))
 
     def curve_points(self) -> list[int]:
         """Token counts at which the curve measures perplexity: 0, 16k, 64k, ... below the budget, and the budget."""
         points, point = [0], CURVE_FIRST_POINT
-        while point < self.tokens:
+        while point < self.budget:
             points.append(point)
             point *= 4
         return points + [self.steps * self.seq_len * self.batch_size]
@@ -217,16 +224,25 @@ def prepare_student(student: nn.Module, options: DistillOptions) -> nn.Module:
 
 @register
 class Distillation(Finisher):
-    """The training stage, configured by `--distill-*`."""
+    """The training stage, configured by `--distill-*`. Not given, it runs DEFAULT_TOKENS when the conversion changes
+    something and the whole model fits (else it is skipped with a notice); given, it runs or the run is refused."""
 
     name = "distillation"
 
     def __init__(self, options: DistillOptions) -> None:
-        self.options = options
+        self.options = replace(options, tokens=options.budget)
+        self.asked = options.tokens is not None
 
     @classmethod
     def from_options(cls, options) -> "Distillation | None":
-        return cls(options.distill) if options.distill.tokens else None
+        distill, lisa = options.distill, options.lisa
+        if distill.tokens == 0:
+            return None
+        if distill.tokens is None:  # the default: only where it has something to train, in one process
+            converts = (lisa.layers != [] and (lisa.ratio > 0 or lisa.ppl_budget is not None)) or options.fasc.budget < 1.0
+            if not (converts or distill.lora_rank) or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+                return None
+        return cls(distill)
 
     def settings(self) -> dict:
         return asdict(self.options)

@@ -34,7 +34,7 @@ class LisaOptions:
     ppl_budget: float | None = None  # percent: share as many layers as keep perplexity within it (searched)
     protect_first: int = 2  # shallow layers are never shared
     qk_compression: float = 6.0  # shared Q/K parameters >= this many times smaller than W_Q + W_K
-    align: str = "dense"  # dense (head mix + FFN) | sparse (one scaled head, SDPA fast path) | identity (no alignment)
+    align: str = "sparse"  # sparse (one scaled head: SDPA fast path, the default) | dense (head mix + FFN) | identity (none)
     align_hidden: int = 16  # dense Align: FFN width across heads; 0 = linear head mix only
     lowrank: bool = True  # low-rank Q/K correction (False: aligned previous scores only, an ablation)
     steps: int = 100
@@ -237,9 +237,9 @@ ALIGN_KINDS = ("dense", "sparse", "identity")
 ABLATIONS = {
     "direct": dict(align="identity", lowrank=False),  # previous scores copied head for head, nothing trained
     "align only": dict(align="dense", lowrank=False),
-    "dense + low-rank": dict(align="dense"),  # the default
+    "dense + low-rank": dict(align="dense"),
     "linear + low-rank": dict(align="dense", align_hidden=0),
-    "sparse + low-rank": dict(align="sparse"),
+    "sparse + low-rank": dict(align="sparse"),  # the default
 }
 SELECTION_ONLY = ("share_ratio", "layers", "protect_first", "ppl_budget")  # LisaOptions that do not change a fit
 

@@ -100,7 +100,7 @@ class TokenStreams:
 def token_streams(options: ConvertOptions, tokenizer) -> TokenStreams:
     calib_tokens = options.calib_sequences * options.seq_len
     calib_ids, calib_name, eval_ids, eval_name = text_streams(
-        tokenizer, options.calib_text, options.eval_text, calib_tokens + SELECTION_TOKENS + options.distill.tokens
+        tokenizer, options.calib_text, options.eval_text, calib_tokens + SELECTION_TOKENS + options.distill.budget
     )
     sequences = chunk(calib_ids, options.seq_len, options.calib_sequences)
     if len(sequences) < options.calib_sequences:

@@ -59,12 +59,17 @@ class WholeModelSteps:
             return FOOTPRINT[step] * model_bytes <= MEMORY_FRACTION * available
 
         where = f"{device.type} memory ({available / 2**30:.1f} GiB free, the float32 model is {model_bytes / 2**30:.1f} GiB)"
-        if finishers and not fits("distill"):
-            raise HfcompressError(
-                f"{', '.join(f.name for f in finishers)} train the whole model, which does not fit in {where}: drop "
-                "--distill-tokens, or run on a device with more memory."
-            )
         skipped, chosen = {}, {}
+        if finishers and not fits("distill"):
+            if any(getattr(f, "asked", True) for f in finishers):
+                raise HfcompressError(
+                    f"{', '.join(f.name for f in finishers)} train the whole model, which does not fit in {where}: pass "
+                    "--distill-tokens 0, or run on a device with more memory."
+                )
+            for finisher in finishers:
+                skipped[finisher.name] = f"the whole model does not fit in {where}"
+                console.log(f"[yellow]{finisher.name} skipped: {skipped[finisher.name]}[/]")
+            finishers = []
         for step, asked in (("probe", options.probe), ("speed", options.speed)):
             if asked is False:
                 skipped[step] = "turned off"

@@ -14,6 +14,7 @@ from hfcompress.text import NEWS_TEXT_NAME, news_file
 from tests.conftest import HUB_USER
 
 FAST = [
+    "--distill-tokens", "0",  # the distillation stage has its own tests (test_distill.py, and one below)
     "--calib-sequences", "6", "--seq-len", "64", "--eval-tokens", "512", "--lisa-steps", "10",
     "--protect-first", "1", "--fasc-budget", "0.8",
 ]
@@ -164,8 +165,8 @@ def test_eval_and_analyze_commands(tiny_llama_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("HFCOMPRESS_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "out"
     converted = run_cli(
-        str(tiny_llama_dir), "--out", str(out), "--max-ppl-increase", "1000", "--no-probe", "--distill-tokens", "192",
-        "--distill-seq-len", "32", "--distill-lora-rank", "2", *FAST
+        str(tiny_llama_dir), "--out", str(out), "--max-ppl-increase", "1000", "--no-probe", *FAST, "--distill-tokens", "192",
+        "--distill-seq-len", "32", "--distill-lora-rank", "2"
     )
     assert converted.exit_code == 0, converted.output
     result_path = tmp_path / "eval.json"
@@ -249,7 +250,9 @@ def test_saved_dtype_speed_record_and_card(tiny_llama_dir, tmp_path):
     )
     assert result.exit_code == 0, result.output
     with safe_open(out / "model.safetensors", "pt") as weights:
-        assert {weights.get_tensor(k).dtype for k in weights.keys()} == {torch.bfloat16}
+        dtypes = {k: weights.get_tensor(k).dtype for k in weights.keys()}
+    assert {d for d in dtypes.values() if d.is_floating_point} == {torch.bfloat16}
+    assert {k for k, d in dtypes.items() if not d.is_floating_point} == {k for k in dtypes if k.endswith("align.source")}
     report = json.loads((out / "hfcompress_report.json").read_text())
     assert report["dtype"] == "bfloat16"
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"

@@ -22,11 +22,12 @@ from hfcompress.lisa import LisaOptions
 SETTINGS = dict(
     calib_sequences=8, seq_len=64, eval_tokens=512, probe=False, speed=False, max_ppl_increase=1000.0,
     lisa=LisaOptions(share_ratio=0.5, protect_first=1, steps=10), fasc=FascOptions(budget=0.8),
+    distill=DistillOptions(tokens=0),  # the distillation stage has its own tests (test_distill.py)
 )
 CLI_SETTINGS = [
     "--calib-sequences", "8", "--seq-len", "64", "--eval-tokens", "512", "--no-probe", "--no-speed",
     "--max-ppl-increase", "1000", "--share-ratio", "0.5", "--protect-first", "1", "--lisa-steps", "10",
-    "--fasc-budget", "0.8", "--max-shard-size", "200KB",
+    "--fasc-budget", "0.8", "--max-shard-size", "200KB", "--distill-tokens", "0",
 ]
 
 
@@ -211,7 +212,9 @@ def test_methods_are_registered_units():
 
     methods, finishers = build_methods(ConvertOptions(source="x", out=Path("y"), fasc=FascOptions(budget=0.5)))
     assert [m.name for m in methods] == ["lisa", "fasc"] and set(METHODS) == {"lisa", "fasc"}
-    assert finishers == [] and set(FINISHERS) == {"distillation"}
+    assert [f.name for f in finishers] == ["distillation"] and set(FINISHERS) == {"distillation"}  # on by default
+    assert build_methods(ConvertOptions(source="x", out=Path("y"), distill=DistillOptions(tokens=0)))[1] == []
+    assert build_methods(ConvertOptions(source="x", out=Path("y"), lisa=LisaOptions(share_ratio=0)))[1] == []  # nothing to train
     methods, _ = build_methods(ConvertOptions(source="x", out=Path("y")))
     assert [m.name for m in methods if m.active()] == ["lisa"]  # FASC at budget 1.0 is off
     import inspect

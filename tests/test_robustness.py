@@ -26,6 +26,7 @@ runner = CliRunner()
 FAST = [
     "--calib-sequences", "6", "--seq-len", "64", "--eval-tokens", "256", "--lisa-steps", "5", "--protect-first", "1",
     "--no-probe", "--no-speed",
+    "--distill-tokens", "0",
 ]
 SECRET = "hf_SeCrEt0123456789abcdefghijklmnopqrs"  # shaped like a real user access token
 

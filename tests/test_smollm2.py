@@ -34,7 +34,7 @@ def test_builtin_gguf_converts_sharded_with_a_perplexity_budget(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "hfcompress.cli", "convert", "--out", str(out), "--max-shard-size", "100MB",
          "--lisa-ppl-budget", "10", "--lisa-steps", "20", "--calib-sequences", "8", "--eval-tokens", "1024",
-         "--max-ppl-increase", "100", "--no-probe", "--no-speed"],  # both have their own tests
+         "--max-ppl-increase", "100", "--no-probe", "--no-speed", "--distill-tokens", "0"],  # each has its own tests
         capture_output=True, text=True, env={**os.environ, "HFCOMPRESS_CACHE": str(tmp_path / "cache")},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

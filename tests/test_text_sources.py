@@ -36,6 +36,7 @@ runner = CliRunner()
 FAST = [
     "--calib-sequences", "4", "--seq-len", "64", "--eval-tokens", "512", "--lisa-steps", "5", "--protect-first", "1",
     "--no-probe", "--no-speed", "--max-ppl-increase", "1000",
+    "--distill-tokens", "0",
 ]
 # The layout of the real Salesforce/wikitext repo: per-config parquet files named by the configs in README.md.
 WIKITEXT_README = f"""---

@@ -350,8 +350,8 @@ def refuse_non_finite(results: dict[str, tuple[PerplexityResult, PerplexityResul
         for name, ppl in zip(("source", "converted"), pair):
             if not math.isfinite(ppl.perplexity):  # NaN would slip through the gate comparison as "failed"
                 raise HfcompressError(
-                    f"The {name} model's perplexity on {text} is {ppl.perplexity} (NaN/inf logits): its weights "
-                    "overflow; nothing was written."
+                    f"The {name} model's perplexity is {ppl.perplexity} on {text.split(' (')[0]} (NaN/inf logits): its "
+                    "weights overflow; nothing was written."
                 )
 
 

@@ -102,9 +102,6 @@ def convert(
     distill_curve_tokens: int = typer.Option(
         DistillOptions.curve_tokens, help="Distillation: evaluation tokens per text at each learning-curve point."
     ),
-    distill_gradient_checkpointing: bool = typer.Option(
-        False, "--distill-gradient-checkpointing", help="Distillation: recompute layers in backward (less memory, more time)."
-    ),
     calib_text: str = typer.Option("auto", help=f"Calibration text: {TEXT_HELP}; wikitext-2 reads its train split; auto: wikitext-2 when the Hub answers, else builtin."),
     eval_text: str = typer.Option("auto", help=f"Perplexity text: {TEXT_HELP}; wikitext-2 reads its test split; auto: wikitext-2 when the Hub answers, else the held-out last 25% of the calibration text."),
     ood_text: str = typer.Option(
@@ -176,7 +173,6 @@ def convert(
                 weight_lr=distill_weight_lr,
                 lora_rank=distill_lora_rank,
                 curve_tokens=distill_curve_tokens,
-                gradient_checkpointing=distill_gradient_checkpointing,
             ),
         ).validate()  # every value and combination, before any network or model work
         if layer_by_layer:

@@ -148,8 +148,8 @@ class ConvertOptions:
                 f"--distill-tokens {distill.tokens} is less than one step ({distill.batch_size} x {distill.seq_len} tokens): "
                 "give more tokens or a shorter --distill-seq-len."
             )
-        if distill.tokens == 0 and (distill.lora_rank or distill.gradient_checkpointing):
-            raise HfcompressError("--distill-lora-rank and --distill-gradient-checkpointing configure distillation, which --distill-tokens 0 turns off.")
+        if distill.tokens == 0 and distill.lora_rank:
+            raise HfcompressError("--distill-lora-rank configures distillation, which --distill-tokens 0 turns off.")
         if distill.tokens and (lisa.layers == [] or lisa.share_ratio == 0) and fasc.budget >= 1.0 and not distill.lora_rank:
             raise HfcompressError(
                 "--distill-tokens trains what the conversion creates, and this one shares no layer and factorises none: "

@@ -49,7 +49,6 @@ class DistillOptions:
     weight_lr: float = 5e-5  # for FASC factors and LoRA adapters: full weight matrices diverge at the modules' rate
     lora_rank: int = 0  # LoRA (peft) on the frozen dense linears, merged before saving; 0 = only the new parameters
     curve_tokens: int = 2048  # evaluation tokens per text at each curve point (the final figure uses --eval-tokens)
-    gradient_checkpointing: bool = False  # recompute each layer in backward: less memory, about 30% more time
 
     @property
     def budget(self) -> int:
@@ -217,8 +216,6 @@ def prepare_student(student: nn.Module, options: DistillOptions) -> nn.Module:
         )
         for _, p in trainable_parameters(student):  # peft froze everything but its adapters
             p.requires_grad_(True)
-    if options.gradient_checkpointing:
-        student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return student
 
 

@@ -10,13 +10,17 @@ and its sibling files. Math, per decoder layer l:
 - both:         out = softmax(S_l + causal/padding mask) V_l, then o_proj.
 
 S are pre-softmax logits ("logits-space" mixing keeps rows normalised after the softmax).
-- Dense Align needs S_{l-1} materialised: the layer below hands over its scores.
-- Sparse Align is linear in one head's Q K^T, so S_l is one attention over concatenated features,
-  [scale Q_{l-1}[source] | Q^lr / sqrt(r)] . [K_{l-1}[source] | K^lr]^T. The layer below hands over its (query, key)
-  features, nothing T x T is materialised, and SDPA does the softmax and V product.
-- A full layer uses the configured attention backend (SDPA) unless the next layer needs its scores.
-At decode the previous layer hands over its score row for the new token (for sparse Align too: one row is
-cheap), so a LISA layer caches only its low-rank K (r per head) and its V.
+What a layer hands to a following LISA layer:
+- Prefill, from a full layer (or a sparse layer that got features): its (scaled query, key) features, the key with its
+  KV heads only. The full layer itself stays on the attention backend (SDPA).
+  - Sparse Align is linear in one head's Q K^T, so S_l is one attention over concatenated features,
+    [scale Q_{l-1}[source] | Q^lr / sqrt(r)] . [K_{l-1}[source // groups] | K^lr]^T: one SDPA call, nothing T x T.
+  - Dense Align recomputes S_{l-1} from the features a block of query rows at a time, so no T x T x H tensor exists.
+- Prefill, from a dense layer: its scores S_l (B, H, T, T), written block by block: the next layer's Align needs them
+  at every (query, key) and recomputing a chain of non-linear layers would cost O(chain length^2).
+- Decode (one query row): every layer hands its score row for the new token, which it computes anyway for its own
+  softmax; GQA runs by reshaping the query to the KV heads, so the K and V caches are never copied to H heads.
+A LISA layer caches only its low-rank K (r per head) and its V.
 A FASC linear is `y = proj_out(proj_in(x))` (`A (B x)`).
 """
 
@@ -74,13 +78,20 @@ class LisaHeadAlign(nn.Module):
         self.ffn_out = nn.Linear(hidden, num_heads, bias=False) if hidden else None
 
     def forward(self, prev_scores: torch.Tensor) -> torch.Tensor:
-        scores = torch.einsum("hg,bgij->bhij", self.mix.to(prev_scores.dtype), prev_scores)
-        scores = scores + self.bias.to(prev_scores.dtype)[None, :, None, None]
+        # the mix and the FFN act across heads at every (i, j): batched matmuls over the head axis of a (B, H, i*j)
+        # view need no permuted copy of the scores (1.5x faster on CPU than an einsum plus a channels-last FFN)
+        batch, dtype = prev_scores.shape[0], prev_scores.dtype
+        flat = prev_scores.reshape(batch, prev_scores.shape[1], -1)
+
+        def per_batch(weight: torch.Tensor) -> torch.Tensor:
+            return weight.to(dtype).expand(batch, -1, -1)
+
+        scores = torch.baddbmm(self.bias.to(dtype)[:, None], per_batch(self.mix), flat)
         if self.ffn_in is not None:
-            per_position = prev_scores.permute(0, 2, 3, 1)  # the FFN runs across heads at every (i, j)
-            correction = self.ffn_out(nn.functional.gelu(self.ffn_in(per_position), approximate="tanh"))
-            scores = scores + correction.permute(0, 3, 1, 2)
-        return scores
+            hidden = torch.baddbmm(self.ffn_in.bias.to(dtype)[:, None], per_batch(self.ffn_in.weight), flat)
+            hidden = nn.functional.gelu(hidden, approximate="tanh")
+            scores = torch.baddbmm(scores, per_batch(self.ffn_out.weight), hidden)
+        return scores.view(prev_scores.shape)
 
 
 class LisaSparseAlign(nn.Module):
@@ -92,11 +103,14 @@ class LisaSparseAlign(nn.Module):
         self.scale = nn.Parameter(torch.ones(num_heads))
 
     def forward(self, prev_scores: torch.Tensor) -> torch.Tensor:
-        return prev_scores[:, self.source] * self.scale.to(prev_scores.dtype)[None, :, None, None]
+        return prev_scores.index_select(1, self.source) * self.scale.to(prev_scores.dtype).view(1, -1, 1, 1)
 
     def features(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The previous layer's (B, H, T, D) query/key features re-ordered to this layer's heads, query scaled."""
-        return query[:, self.source] * self.scale.to(query.dtype)[None, :, None, None], key[:, self.source]
+        """The previous layer's query (B, H, T, D) and key (B, KV, T, D) features re-ordered to this layer's heads,
+        query scaled; a key is read from the KV head of its source head (no copy of the keys to H heads first)."""
+        groups = query.shape[1] // key.shape[1]
+        query = query.index_select(1, self.source) * self.scale.to(query.dtype).view(1, -1, 1, 1)
+        return query, key.index_select(1, self.source // groups)
 
 
 def additive_attention_mask(
@@ -119,10 +133,66 @@ def additive_attention_mask(
     return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
-def softmax_attention(scores: torch.Tensor, mask: torch.Tensor, value: torch.Tensor, groups: int) -> torch.Tensor:
+def causal_block_mask(
+    start: int, stop: int, kv_end: int, past_len: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor | None:
+    """(stop - start, kv_end) additive causal mask of query rows start..stop (at positions past_len + row), or None
+    for a single row that sees every key (decode)."""
+    if stop - start == 1 and kv_end == past_len + stop:
+        return None
+    masked = torch.full((stop - start, kv_end), torch.finfo(dtype).min, dtype=dtype, device=device)
+    return masked.triu(past_len + start + 1)
+
+
+def block_mask(
+    additive_mask: torch.Tensor | None, start: int, stop: int, kv_end: int, past_len: int, dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor | None:  # fmt: skip
+    """The mask of query rows start..stop over keys ..kv_end: a slice of the model's padding mask when there is one,
+    else causal only."""
+    if additive_mask is not None:
+        return additive_mask[:, :, start:stop, :kv_end]
+    return causal_block_mask(start, stop, kv_end, past_len, dtype, device)
+
+
+# The helpers below call bmm on 3D views rather than matmul on 4D tensors: at decode, one layer's attention is a few
+# small ops, and matmul's own reshapes and checks cost about as much as the arithmetic.
+
+
+def grouped_scores(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """query (B, H, Tq, D) . key (B, KV, Tk, D)^T -> (B, H, Tq, Tk) by KV head: the keys are never copied to H heads."""
+    batch, heads, q_len, dim = query.shape
+    kv_heads, kv_len = key.shape[1:3]
+    grouped = query.reshape(batch * kv_heads, heads // kv_heads * q_len, dim)
+    keys = key.reshape(batch * kv_heads, kv_len, dim).transpose(1, 2)
+    return torch.bmm(grouped, keys).view(batch, heads, q_len, kv_len)
+
+
+def grouped_attention(
+    scores: torch.Tensor, mask: torch.Tensor | None, value: torch.Tensor, groups: int
+) -> torch.Tensor:  # fmt: skip
+    """softmax(scores + mask) @ V with GQA by KV head (no copy of V to H heads): (B, H, Tq, Tk) -> (B, H, Tq, D)."""
+    if mask is not None:
+        scores = scores + mask
+    probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    batch, heads, q_len, kv_len = probs.shape
+    kv_heads = heads // groups
+    values = value.reshape(batch * kv_heads, kv_len, -1)
+    out = torch.bmm(probs.reshape(batch * kv_heads, groups * q_len, kv_len), values)
+    return out.view(batch, heads, q_len, -1)
+
+
+def softmax_attention(
+    scores: torch.Tensor, mask: torch.Tensor | None, value: torch.Tensor, groups: int
+) -> torch.Tensor:  # fmt: skip
     """softmax(scores + mask) @ V with GQA; returns (B, T, H, D)."""
-    probs = nn.functional.softmax(scores + mask, dim=-1, dtype=torch.float32).to(value.dtype)
-    return torch.matmul(probs, repeat_kv(value, groups)).transpose(1, 2)
+    return grouped_attention(scores, mask, value, groups).transpose(1, 2)
+
+
+# Block-wise LISA scores: query rows per block (a block's scores stay in the CPU caches: 3-4x faster than whole rows
+# at 512-2048 tokens, and causal blocks skip the keys after their last row), at most 64 MB of float32 scores per block
+SCORE_BLOCK_ROWS = 64
+SCORE_BLOCK_ELEMENTS = 1 << 24
 
 
 class LisaLlamaAttention(nn.Module):
@@ -168,12 +238,17 @@ class LisaLlamaAttention(nn.Module):
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
 
-        if handoff == "scores":  # the next layer has a dense Align: materialise the logits it builds on
-            passed = torch.matmul(query, repeat_kv(key, self.num_key_value_groups).transpose(2, 3)) * self.scaling
-            attn_output = softmax_attention(passed, additive_mask, value, self.num_key_value_groups)
+        q_len, kv_len = query.shape[2], key.shape[2]
+        if handoff == "scores" or (handoff and q_len == 1):
+            # decode (or materialised scores on request): the score row is computed once, for this layer's own
+            # softmax and for the next layer (cheaper than the next layer re-reading the whole key cache); GQA by KV
+            # head, so the caches are not copied to H heads
+            passed = grouped_scores(query * self.scaling, key)
+            mask = block_mask(additive_mask, 0, q_len, kv_len, kv_len - q_len, passed.dtype, passed.device)
+            attn_output = softmax_attention(passed, mask, value, self.num_key_value_groups)
         else:
-            # a sparse-Align next layer only needs this layer's (scaled query, per-head key) features
-            passed = (query * self.scaling, repeat_kv(key, self.num_key_value_groups)) if handoff == "features" else None
+            # the next LISA layer recomputes what it needs from this layer's (scaled query, key) features
+            passed = (query * self.scaling, key) if handoff else None
             attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
                 self.config._attn_implementation, eager_attention_forward
             )
@@ -189,6 +264,17 @@ class LisaLlamaAttention(nn.Module):
             )
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         return self.o_proj(attn_output), passed
+
+
+def lowrank_rotary(
+    config: LisaLlamaConfig, rank: int, position_ids: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """RoPE (cos, sin) at the low-rank width r (same base as the model), so the correction term is position-aware."""
+    theta = float((config.rope_parameters or {}).get("rope_theta", 10000.0))
+    inv_freq = 1.0 / theta ** (torch.arange(0, rank, 2, device=position_ids.device, dtype=torch.float) / rank)
+    freqs = position_ids[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 class LisaSharedAttention(nn.Module):
@@ -210,65 +296,117 @@ class LisaSharedAttention(nn.Module):
         self.sparse = align == "sparse"
         self.align = LisaSparseAlign(self.num_heads) if self.sparse else LisaHeadAlign(self.num_heads, align_hidden)
 
-    def lowrank_rotary(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE at the low-rank width r (same base as the model), so the correction term is position-aware."""
-        theta = float((self.config.rope_parameters or {}).get("rope_theta", 10000.0))
-        inv_freq = 1.0 / theta ** (torch.arange(0, self.rank, 2, device=position_ids.device, dtype=torch.float) / self.rank)
-        freqs = position_ids[..., None].float() * inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
     def lowrank_qk(
-        self, hidden_states: torch.Tensor, position_ids: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotated low-rank queries and keys, each (B, H, T, r)."""
+        self, hidden_states: torch.Tensor, position_ids: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Rotated low-rank queries and keys, each (B, H, T, r); `rotary` is `lowrank_rotary` of these positions."""
         shape = (*hidden_states.shape[:-1], self.num_heads, self.rank)
         q_lr = self.q_lowrank(hidden_states).view(shape).transpose(1, 2)
         k_lr = self.k_lowrank(hidden_states).view(shape).transpose(1, 2)
-        cos, sin = self.lowrank_rotary(position_ids, hidden_states.dtype)
-        return apply_rotary_pos_emb(q_lr, k_lr, cos, sin)
+        if rotary is None:
+            rotary = lowrank_rotary(self.config, self.rank, position_ids, hidden_states.dtype)
+        return apply_rotary_pos_emb(q_lr, k_lr, *rotary)
 
     def scores(self, prev_scores: torch.Tensor, q_lr: torch.Tensor, k_lr: torch.Tensor) -> torch.Tensor:
         """Pre-softmax scores S_l = Align(S_{l-1}) + q_lr k_lr^T / sqrt(r) (just the aligned scores at rank 0)."""
         aligned = self.align(prev_scores)
         if self.rank == 0:
             return aligned
-        return aligned + torch.matmul(q_lr, k_lr.transpose(2, 3)) * self.rank**-0.5
+        batch, heads, q_len, kv_len = aligned.shape
+        lowrank = (q_lr.reshape(batch * heads, q_len, -1), k_lr.reshape(batch * heads, kv_len, -1).transpose(1, 2))
+        flat = aligned.reshape(batch * heads, q_len, kv_len)
+        return torch.baddbmm(flat, *lowrank, alpha=self.rank**-0.5).view(aligned.shape)
+
+    def feature_attention(
+        self, prev: tuple[torch.Tensor, torch.Tensor], q_lr: torch.Tensor, k_lr: torch.Tensor, value: torch.Tensor,
+        additive_mask: torch.Tensor | None, handoff: str | None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:  # fmt: skip
+        """Sparse Align from the previous layer's features: one SDPA call over concatenated (query, key) features."""
+        q_prev, k_prev = self.align.features(*prev)
+        width = q_prev.shape[-1] + self.rank
+        pad = -width % 8  # SDPA's CPU flash kernel is 5-10% faster at a head width that is a multiple of 8 (72, not 70)
+        q_lr = q_lr * self.rank**-0.5 if self.rank else q_lr
+        query = torch.cat([q_prev, nn.functional.pad(q_lr, (0, pad))], dim=-1)
+        key = torch.cat([k_prev, nn.functional.pad(k_lr, (0, pad))], dim=-1)
+        # V on H heads at the q/k width: the fused (flash) kernels need one width for q, k and v, and as many K as V
+        # heads (unpadded, SDPA falls back to its math kernel: 2-5x slower on CPU)
+        value = nn.functional.pad(repeat_kv(value, self.num_key_value_groups), (0, width + pad - self.head_dim))
+        q_len, kv_len = query.shape[2], key.shape[2]
+        mask = additive_mask
+        if mask is None and q_len != kv_len:  # is_causal would align the causal diagonal top-left
+            mask = causal_block_mask(0, q_len, kv_len, kv_len - q_len, query.dtype, query.device)
+        attn_output = nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, is_causal=mask is None and q_len > 1, scale=1.0
+        )[..., : self.head_dim]
+        # the scores stay linear in these features, whatever the next layer is
+        passed = (query[..., :width], key[..., :width]) if handoff else None
+        return attn_output.transpose(1, 2), passed
+
+    def blockwise_attention(
+        self, prev: torch.Tensor | tuple[torch.Tensor, torch.Tensor], q_lr: torch.Tensor, k_lr: torch.Tensor,
+        value: torch.Tensor, additive_mask: torch.Tensor | None, keep_scores: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """S_l and softmax(S_l) V a block of query rows at a time: besides the score tensors handed in and out (only
+        next to a dense layer), nothing larger than one block (B x H x rows x keys) is alive. A block's rows only see keys up to its last row (causal), so the
+        keys past it are skipped; a handed score tensor holds 0 there (never attended to)."""
+        batch, heads, q_len, _ = q_lr.shape
+        kv_len = value.shape[2]
+        past_len = kv_len - q_len
+        rows = max(1, min(SCORE_BLOCK_ROWS, SCORE_BLOCK_ELEMENTS // (batch * heads * kv_len)))
+
+        def block(start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+            kv_end = past_len + stop
+            if isinstance(prev, tuple):  # recompute the previous layer's scores from its features
+                prev_block = grouped_scores(prev[0][:, :, start:stop], prev[1][:, :, :kv_end])
+            else:
+                prev_block = prev[:, :, start:stop, :kv_end]
+            scores = self.scores(prev_block, q_lr[:, :, start:stop], k_lr[:, :, :kv_end])
+            mask = block_mask(additive_mask, start, stop, kv_end, past_len, scores.dtype, scores.device)
+            return scores, grouped_attention(scores, mask, value[:, :, :kv_end], self.num_key_value_groups)
+
+        if rows >= q_len:
+            scores, attn_output = block(0, q_len)
+            return attn_output.transpose(1, 2), scores if keep_scores else None
+        attn_output = value.new_empty(batch, q_len, heads, self.head_dim)
+        handed = value.new_empty(batch, heads, q_len, kv_len) if keep_scores else None
+        for start in range(0, q_len, rows):
+            stop = min(start + rows, q_len)
+            scores, block_output = block(start, stop)
+            attn_output[:, start:stop] = block_output.transpose(1, 2)
+            if handed is not None:
+                handed[:, :, start:stop, : past_len + stop] = scores
+                handed[:, :, start:stop, past_len + stop :] = 0
+        return attn_output, handed
 
     def forward(
         self,
         hidden_states: torch.Tensor,
         position_ids: torch.Tensor,
-        additive_mask: torch.Tensor,
+        additive_mask: torch.Tensor | None,
         prev: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
         cache: Cache | None = None,
-        handoff: str | None = "scores",
+        handoff: str | None = None,
+        lowrank_position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | tuple | None]:
-        """`prev` is the previous layer's scores, or its (query, key) features when this layer's Align is sparse."""
+        """`prev` is the previous layer's scores, or its (scaled query, key) features. A layer that gets features and
+        has a sparse Align hands features on whatever `handoff` asks; otherwise it hands its scores (None: nothing)."""
         input_shape = hidden_states.shape[:-1]
-        q_lr, k_lr = self.lowrank_qk(hidden_states, position_ids)
+        q_lr, k_lr = self.lowrank_qk(hidden_states, position_ids, lowrank_position_embeddings)
         value = self.v_proj(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)
         if cache is not None:  # a LISA layer caches only its low-rank K and its V
             k_lr, value = cache.update(k_lr, value, self.layer_idx)
 
-        if isinstance(prev, tuple):  # sparse Align: one attention over concatenated features, no T x T tensor
-            q_prev, k_prev = self.align.features(*prev)
-            query = torch.cat([q_prev, q_lr * self.rank**-0.5], dim=-1) if self.rank else q_prev
-            key = torch.cat([k_prev, k_lr], dim=-1) if self.rank else k_prev
-            # V padded to the query/key width: SDPA's fused (flash) kernels need one head width for q, k and v
-            value = nn.functional.pad(repeat_kv(value, self.num_key_value_groups), (0, query.shape[-1] - self.head_dim))
-            attn_output = nn.functional.scaled_dot_product_attention(
-                query, key, value, attn_mask=additive_mask, scale=1.0
-            )[..., : self.head_dim].transpose(1, 2)
-            passed = (query, key) if handoff == "features" else None
-            if handoff == "scores":
-                passed = torch.matmul(query, key.transpose(2, 3))
-        elif fused_lisa_decode is not None and not self.sparse and q_lr.shape[2] == 1 and triton_available(q_lr):
+        if self.sparse and isinstance(prev, tuple):
+            attn_output, passed = self.feature_attention(prev, q_lr, k_lr, value, additive_mask, handoff)
+        elif (
+            fused_lisa_decode is not None and not self.sparse and not isinstance(prev, tuple) and q_lr.shape[2] == 1
+            and triton_available(q_lr)
+        ):  # fmt: skip
             attn_output, passed = fused_lisa_decode(self, prev, q_lr, k_lr, value, additive_mask)
         else:
-            passed = self.scores(prev, q_lr, k_lr)
-            attn_output = softmax_attention(passed, additive_mask, value, self.num_key_value_groups)
+            attn_output, passed = self.blockwise_attention(prev, q_lr, k_lr, value, additive_mask, handoff is not None)
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         return self.o_proj(attn_output), passed
 
@@ -306,12 +444,17 @@ class LisaLlamaDecoderLayer(nn.Module):
         cache: Cache | None = None,
         prev: torch.Tensor | tuple | None = None,
         handoff: str | None = None,
+        lowrank_position_embeddings: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | tuple | None]:
+        """`lowrank_position_embeddings`: rank -> `lowrank_rotary` of `position_ids`, computed once for all layers."""
         residual = hidden_states
         normed = self.input_layernorm(hidden_states)
         if self.is_lisa:
-            attn_out, passed = self.self_attn(normed, position_ids, additive_mask, prev, cache=cache, handoff=handoff)
+            attn_out, passed = self.self_attn(
+                normed, position_ids, additive_mask, prev, cache=cache, handoff=handoff,
+                lowrank_position_embeddings=(lowrank_position_embeddings or {}).get(self.self_attn.rank),
+            )  # fmt: skip
         else:
             attn_out, passed = self.self_attn(
                 normed, position_embeddings, attention_mask, additive_mask, cache=cache, handoff=handoff, **kwargs
@@ -322,14 +465,13 @@ class LisaLlamaDecoderLayer(nn.Module):
 
 
 def handoff_to_next_layer(config: LisaLlamaConfig, idx: int) -> str | None:
-    """What layer idx hands to layer idx + 1: nothing (next is a full layer), its (query, key) "features" (next
-    has a sparse Align and this layer can give features) or its pre-softmax "scores"."""
-    following = config.lisa_layers.get(str(idx + 1))
-    if following is None:
+    """What layer idx hands to layer idx + 1 at prefill: nothing (next is a full layer), its (query, key) "features"
+    (a full layer, or a sparse layer whose scores are linear in the features it got) or its pre-softmax "scores" (a
+    dense layer: its Align is non-linear). At decode (one query row) every layer hands its score row instead."""
+    if str(idx + 1) not in config.lisa_layers:
         return None
     this = config.lisa_layers.get(str(idx))
-    gives_features = this is None or this.get("align", "dense") == "sparse"
-    return "features" if following.get("align", "dense") == "sparse" and gives_features else "scores"
+    return "features" if this is None or this.get("align", "dense") == "sparse" else "scores"
 
 
 class LisaLlamaPreTrainedModel(PreTrainedModel):
@@ -363,6 +505,7 @@ class LisaLlamaModel(LisaLlamaPreTrainedModel):
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.handoffs = [handoff_to_next_layer(config, i) for i in range(config.num_hidden_layers)]
+        self.lowrank_ranks = sorted({int(spec["rank"]) for spec in config.lisa_layers.values()})
         self.post_init()
 
     def forward(
@@ -397,18 +540,22 @@ class LisaLlamaModel(LisaLlamaPreTrainedModel):
             cache=cache,
             position_ids=position_ids,
         )
+        # LISA layers build causal masks block by block (or use SDPA's is_causal): a (T x T) mask only with padding
+        kv_len = past_len + q_len
+        padded = attention_mask is not None and (attention_mask.dim() != 2 or not attention_mask[:, -kv_len:].all())
         additive_mask = None
-        if self.config.lisa_layers:
+        if self.config.lisa_layers and padded:
             additive_mask = additive_attention_mask(
                 attention_mask, batch, q_len, past_len, inputs_embeds.dtype, inputs_embeds.device
             )
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
-        # one query row (decode): a score row is as cheap as features and skips re-gathering the whole key cache
-        handoffs = self.handoffs if q_len > 1 else [handoff and "scores" for handoff in self.handoffs]
+        lowrank_position_embeddings = {
+            rank: lowrank_rotary(self.config, rank, position_ids, hidden_states.dtype) for rank in self.lowrank_ranks
+        }
         passed = None
-        for layer, handoff in zip(self.layers, handoffs):
+        for layer, handoff in zip(self.layers, self.handoffs):
             hidden_states, passed = layer(
                 hidden_states,
                 attention_mask=causal_mask,
@@ -418,6 +565,7 @@ class LisaLlamaModel(LisaLlamaPreTrainedModel):
                 cache=cache,
                 prev=passed,
                 handoff=handoff,
+                lowrank_position_embeddings=lowrank_position_embeddings,
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)

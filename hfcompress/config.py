@@ -69,6 +69,11 @@ class ConvertOptions:
     distill: DistillOptions = field(default_factory=DistillOptions)
 
     @property
+    def changes_layers(self) -> bool:
+        """Whether a method changes any layer (shares one, or factorises one): what distillation can train."""
+        return not (self.lisa.layers == [] or self.lisa.share_ratio == 0) or self.fasc.budget < 1.0
+
+    @property
     def max_shard_bytes(self) -> int:
         return parse_size(self.max_shard_size)
 
@@ -150,7 +155,7 @@ class ConvertOptions:
             )
         if distill.tokens == 0 and distill.lora_rank:
             raise HfcompressError("--distill-lora-rank configures distillation, which --distill-tokens 0 turns off.")
-        if distill.tokens and (lisa.layers == [] or lisa.share_ratio == 0) and fasc.budget >= 1.0 and not distill.lora_rank:
+        if distill.tokens and not self.changes_layers and not distill.lora_rank:
             raise HfcompressError(
                 "--distill-tokens trains what the conversion creates, and this one shares no layer and factorises none: "
                 "share layers (--share-ratio, --lisa-layers, --lisa-ppl-budget), set --fasc-budget below 1.0, or add --distill-lora-rank."

@@ -232,12 +232,11 @@ class Distillation(Finisher):
 
     @classmethod
     def from_options(cls, options) -> "Distillation | None":
-        distill, lisa = options.distill, options.lisa
+        distill = options.distill
         if distill.tokens == 0:
             return None
         if distill.tokens is None:  # the default: only where it has something to train, in one process
-            converts = (lisa.layers != [] and (lisa.ratio > 0 or lisa.ppl_budget is not None)) or options.fasc.budget < 1.0
-            if not (converts or distill.lora_rank) or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            if not (options.changes_layers or distill.lora_rank) or int(os.environ.get("WORLD_SIZE", "1")) > 1:
                 return None
         return cls(distill)
 

@@ -1,4 +1,5 @@
-"""Benchmarks for the LISA kernels (kernels/lisa_attention_triton.py), bf16, one run, side by side.
+"""Benchmarks for the LISA kernels, bf16, one run, side by side: the decode kernel the model ships with
+(kernels/lisa_attention_triton.py) and the prefill / low-rank kernels kept here (bench/lisa_prefill_triton.py).
 
     python bench/bench_kernels.py               # full set (CUDA)
     python bench/bench_kernels.py --quick       # one shape per table
@@ -32,7 +33,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
+BENCH_DIR = Path(__file__).resolve().parent
+KERNELS_DIR = BENCH_DIR.parent / "kernels"
 DEV = "cuda"
 DRY = False  # --cpu-dry-run: the GPU tables on tiny CPU shapes (torch path), to check this script without a GPU
 
@@ -43,12 +45,15 @@ MODELS = {  # attention shapes: heads, kv heads, head dim, low-rank r
 
 
 def load_kernels():
-    """Imports kernels/ as a private package (the files use flat relative imports, as on the Hub)."""
+    """Imports kernels/ and bench/ as one private package (the files use flat relative imports, as on the Hub).
+
+    Returns (kt, ref): bench/lisa_prefill_triton.py (every op behind its backend dispatch, the decode kernel
+    re-exported from kernels/) and bench/lisa_attention_reference.py."""
     spec = importlib.machinery.ModuleSpec("_lisa_kernels", None, is_package=True)
-    spec.submodule_search_locations = [str(KERNELS_DIR)]
+    spec.submodule_search_locations = [str(KERNELS_DIR), str(BENCH_DIR)]
     sys.modules["_lisa_kernels"] = importlib.util.module_from_spec(spec)
     return (
-        importlib.import_module("_lisa_kernels.lisa_attention_triton"),
+        importlib.import_module("_lisa_kernels.lisa_prefill_triton"),
         importlib.import_module("_lisa_kernels.lisa_attention_reference"),
     )
 
@@ -178,9 +183,9 @@ def bench_decode(kt, ref, quick, peak_gbs):
     Tk = 100 if DRY else 8192
     batches = [1] if quick else [1, 16]
     es = 2  # bf16 bytes
-    print(f"\n== decode: Tk={Tk}, bf16, r=16 (GB/s vs peak {peak_gbs:.0f} GB/s) ==")
+    print(f"\n== decode: Tk={Tk}, bf16, r=16 and 0 (--no-lowrank) (GB/s vs peak {peak_gbs:.0f} GB/s) ==")
     print(
-        f"{'model':<10} {'B':>3} {'F':>3} {'lisa us':>9} {'GB/s':>8} {'%peak':>6} {'splits':>6} "
+        f"{'model':<10} {'B':>3} {'F':>3} {'r':>3} {'lisa us':>9} {'GB/s':>8} {'%peak':>6} {'splits':>6} "
         f"{'sdpa us':>9} {'sdpa GB/s':>9} {'ref us':>9} {'max err':>9}"
     )
     for name, m in MODELS.items():
@@ -195,11 +200,11 @@ def bench_decode(kt, ref, quick, peak_gbs):
             q = torch.randn(B, H, 1, D, device=dev, dtype=dt, generator=gen)
             sdpa = safe(bench_ms, lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=Hkv != H))
             sdpa_bytes = 2 * B * Hkv * Tk * D * es
-            for ffn in (0, 32):
+            for ffn, rank in ((0, r), (32, r), (32, 0)):  # rank 0: the model's (..., 0)-sized low-rank q/k
                 p = layer_params(H, r, ffn, dt, dev, gen)
-                args = (s_prev, p["mix"], p["bias"], p["w1"], p["b1"], p["w2"], qlr, klr, v)
+                args = (s_prev, p["mix"], p["bias"], p["w1"], p["b1"], p["w2"], qlr[..., :rank], klr[..., :rank], v)
                 # bytes that must move: S_prev row in, S row out, low-rank keys, V (weights are negligible)
-                nbytes = (2 * B * H * Tk + B * H * Tk * r + B * Hkv * Tk * D) * es
+                nbytes = (2 * B * H * Tk + B * H * Tk * rank + B * Hkv * Tk * D) * es
                 t = safe(bench_ms, lambda: kt.lisa_decode(*args))
                 ref_t = safe(bench_ms, lambda: ref.lisa_decode_reference(*args))
                 got, want = safe(kt.lisa_decode, *args), safe(ref.lisa_decode_reference, *args)
@@ -208,7 +213,7 @@ def bench_decode(kt, ref, quick, peak_gbs):
                 splits = launches[0][0].grid[2] if launches else None
                 gbs = None if t is None else nbytes / (t * 1e-3) / 1e9
                 print(
-                    f"{name:<10} {B:>3} {ffn:>3} {fmt(None if t is None else t * 1e3, '.1f'):>9} {fmt(gbs, '.0f'):>8} "
+                    f"{name:<10} {B:>3} {ffn:>3} {rank:>3} {fmt(None if t is None else t * 1e3, '.1f'):>9} {fmt(gbs, '.0f'):>8} "
                     f"{fmt(None if gbs is None else 100 * gbs / peak_gbs, '.0f'):>6} {fmt(splits, 'd'):>6} "
                     f"{fmt(None if sdpa is None else sdpa * 1e3, '.1f'):>9} "
                     f"{fmt(None if sdpa is None else sdpa_bytes / (sdpa * 1e-3) / 1e9, '.0f'):>9} "

@@ -177,10 +177,32 @@ def cast_parameters(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return model
 
 
-def save_companion_files(tokenizer, generation_config, directory: Path) -> None:
-    """Everything beside the weights and config.json: tokenizer, generation config, remote-code files; then
-    checks that the config.json already in `directory` carries the auto_map."""
+# what transformers 5.x writes into tokenizer_config.json about how the tokenizer was loaded here (not settings of
+# the tokenizer: a pushed repo saying "local_files_only": true is misleading), and tokenizer code we never ship
+_TOKENIZER_LOAD_KEYS = ("is_local", "local_files_only", "_commit_hash", "auto_map")
+
+
+def _save_tokenizer(tokenizer, directory: Path) -> None:
+    """`tokenizer.save_pretrained` with a tokenizer_config.json that names a standard transformers tokenizer class
+    and declares no code, so that `AutoTokenizer` resolves it from the file alone. (It still loads config.json
+    first, whose auto_map makes transformers 5.x ask about custom code when `trust_remote_code` is not given: see
+    tests/test_remote_repo.py.)"""
     tokenizer.save_pretrained(directory)
+    path = directory / "tokenizer_config.json"
+    if not path.is_file():
+        return
+    tokenizer_config = json.loads(path.read_text())
+    for key in _TOKENIZER_LOAD_KEYS:
+        tokenizer_config.pop(key, None)
+    if type(tokenizer).__module__.startswith("transformers."):  # save_pretrained writes it; make sure
+        tokenizer_config.setdefault("tokenizer_class", type(tokenizer).__name__)
+    path.write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+
+
+def save_companion_files(tokenizer, generation_config, directory: Path) -> None:
+    """Everything beside the weights and config.json: tokenizer, generation config, remote-code files (only those
+    the model imports); then checks that the config.json already in `directory` carries the auto_map."""
+    _save_tokenizer(tokenizer, directory)
     if generation_config is not None:
         generation_config.save_pretrained(directory)
     for file in remote_code_files():

@@ -2,9 +2,11 @@
 
 In a wheel they live under `hfcompress/remote_code/`; in a source checkout they are the top-level folders. The
 files use flat relative imports (that is how transformers loads remote code), so in-process they are imported
-as one synthetic package whose search path spans both folders.
+as one synthetic package whose search path spans both folders. Only the files the model imports ship: the modules
+named in `AUTO_MAP` and, transitively, every module they import relatively (`remote_code_files`).
 """
 
+import ast
 import importlib
 import importlib.machinery
 import importlib.util
@@ -35,9 +37,36 @@ def cards_dir() -> Path:
     return _find_dir("cards")
 
 
+def _relative_imports(path: Path) -> list[str]:
+    """Module names this file imports relatively (`from .x import y`, `from . import x`), anywhere in it (also
+    inside try/except, as the guarded kernel import is)."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            if node.level != 1 or "." in (node.module or ""):
+                dots = "." * node.level
+                raise ImportError(f"{path.name}: remote code imports its siblings flat, not '{dots}{node.module}'")
+            names.extend([node.module] if node.module else [alias.name for alias in node.names])
+    return names
+
+
 def remote_code_files() -> list[Path]:
-    """Every file that is copied flat into a converted model's repo."""
-    return sorted(modeling_dir().glob("*.py")) + sorted(kernels_dir().glob("*.py"))
+    """Every file that is copied flat into a converted model's repo: the modules named in `AUTO_MAP` and those they
+    import relatively, transitively (modeling/ first, then kernels/). Nothing the model never imports ships."""
+    folders = [modeling_dir(), kernels_dir()]
+    found: dict[str, Path] = {}
+    pending = sorted({ref.split(".")[0] for ref in AUTO_MAP.values()})
+    while pending:
+        module = pending.pop()
+        if module in found:
+            continue
+        paths = [folder / f"{module}.py" for folder in folders if (folder / f"{module}.py").is_file()]
+        if len(paths) != 1:
+            where = " and ".join(str(f) for f in folders)
+            raise FileNotFoundError(f"remote-code module '{module}' found {len(paths)} times in {where} (expected once)")
+        found[module] = paths[0]
+        pending.extend(_relative_imports(paths[0]))
+    return sorted(found.values(), key=lambda path: (folders.index(path.parent), path.name))
 
 
 def _package() -> ModuleType:
@@ -63,5 +92,6 @@ def lisa_classes():
 
 AUTO_MAP = {
     "AutoConfig": "configuration_lisa_llama.LisaLlamaConfig",
+    "AutoModel": "modeling_lisa_llama.LisaLlamaModel",  # vLLM's Transformers backend loads the base model
     "AutoModelForCausalLM": "modeling_lisa_llama.LisaLlamaForCausalLM",
 }

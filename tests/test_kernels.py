@@ -1,4 +1,9 @@
-"""LISA attention / low-rank kernels (kernels/): Triton vs the torch reference, on this CPU machine.
+"""LISA attention / low-rank kernels: Triton vs the torch reference, on this CPU machine.
+
+The decode kernel the model calls ships in kernels/ (lisa_attention_triton.py, behind lisa_kernels.py); the prefill
+and low-rank kernels, the backend-dispatching wrappers and the torch references live in bench/
+(lisa_prefill_triton.py, lisa_attention_reference.py). Both folders load as one private package (flat relative
+imports, as on the Hub): `kt` is bench/lisa_prefill_triton.py, which re-exports the decode kernel's names.
 
 * Interpreter tests (`test_interp_*`): Triton's interpreter must be chosen before `triton.language` is
   first imported (its own helpers such as `tl.zeros` are `@triton.jit` functions decorated at import), and
@@ -37,21 +42,23 @@ import pytest
 import torch
 
 KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
+BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
 _COPIES: dict[str, tuple] = {}
 
 
 def _load_copy(pkg_name: str):
-    """Imports kernels/lisa_attention_{triton,reference}.py as a private package `pkg_name`.
+    """Imports kernels/ + bench/ as a private package `pkg_name`.
 
-    Returns (triton_module, reference_module). The copies stay out of sys.modules afterwards.
+    Returns (bench/lisa_prefill_triton.py, bench/lisa_attention_reference.py). The copies stay out of sys.modules
+    afterwards.
     """
     if pkg_name not in _COPIES:
         spec = importlib.machinery.ModuleSpec(pkg_name, None, is_package=True)
-        spec.submodule_search_locations = [str(KERNELS_DIR)]
+        spec.submodule_search_locations = [str(KERNELS_DIR), str(BENCH_DIR)]
         sys.modules[pkg_name] = importlib.util.module_from_spec(spec)
         try:
             _COPIES[pkg_name] = (
-                importlib.import_module(f"{pkg_name}.lisa_attention_triton"),
+                importlib.import_module(f"{pkg_name}.lisa_prefill_triton"),
                 importlib.import_module(f"{pkg_name}.lisa_attention_reference"),
             )
         finally:
@@ -137,6 +144,86 @@ def _case_decode_model_layout(kt, ref):
     _close(out, ref_out, F32, "out")
 
 
+def _align_module(mix, bias, w1, b1, w2):
+    """A stand-in for a dense-Align `LisaSharedAttention`: what kernels/lisa_kernels.py reads of it."""
+    from types import SimpleNamespace
+
+    ffn_in = ffn_out = None
+    if w1 is not None:
+        ffn_in = torch.nn.Linear(w1.shape[1], w1.shape[0])
+        ffn_out = torch.nn.Linear(w1.shape[0], w1.shape[1], bias=False)
+        with torch.no_grad():
+            ffn_in.weight.copy_(w1), ffn_in.bias.copy_(b1), ffn_out.weight.copy_(w2)
+    return SimpleNamespace(align=SimpleNamespace(mix=mix, bias=bias, ffn_in=ffn_in, ffn_out=ffn_out))
+
+
+def _modeling_decode_math(align, prev, q_lr, k_lr, value, mask):
+    """The modeling file's torch formula for one decode step (no 1/sqrt(r) term at rank 0)."""
+    with torch.no_grad():
+        heads, kv_heads = prev.shape[1], value.shape[1]
+        expect = torch.einsum("hg,bgij->bhij", align.mix, prev) + align.bias[None, :, None, None]
+        if align.ffn_in is not None:
+            per_pos = prev.permute(0, 2, 3, 1)
+            ffn = align.ffn_out(torch.nn.functional.gelu(align.ffn_in(per_pos), approximate="tanh"))
+            expect = expect + ffn.permute(0, 3, 1, 2)
+        if q_lr.shape[-1]:
+            expect = expect + q_lr @ k_lr.transpose(2, 3) * q_lr.shape[-1] ** -0.5
+        probs = torch.softmax(expect + (0 if mask is None else mask), dim=-1)
+        out = (probs @ value.repeat_interleave(heads // kv_heads, dim=1)).transpose(1, 2)
+    return out, expect
+
+
+def _case_adapter(kt, ref, rank, ffn, mask):
+    """kernels/lisa_kernels.py `fused_lisa_decode` (what modeling_lisa_llama.py calls, in its layout: (B,H,1,Tk)
+    score rows, (B,H,1,r) queries, an additive (B,1,1,Tk) mask) vs the modeling file's torch formula. There is no
+    torch fallback in the adapter, so this runs the (interpreted) Triton kernel."""
+    B, H, Hkv, Tk, D = 2, 4, 2, 23, 8
+    p = _layer(B, H, Hkv, 1, Tk, D, 0, ffn, F32, seed=5)
+    g = torch.Generator().manual_seed(6)
+    q_lr, k_lr = torch.randn(B, H, 1, rank, generator=g), torch.randn(B, H, Tk, rank, generator=g)
+    am = None
+    if mask:
+        am = torch.zeros(B, 1, 1, Tk)
+        am[1, ..., :2] = torch.finfo(torch.float32).min
+    module = _align_module(p["mix"], p["bias"], p["w1"], p["b1"], p["w2"])
+    out, scores = kt.fused_lisa_decode(module, p["s_prev"], q_lr, k_lr, p["v"], am)
+    expect_out, expect_scores = _modeling_decode_math(module.align, p["s_prev"], q_lr, k_lr, p["v"], am)
+    assert out.shape == (B, 1, H, D) and scores.shape == (B, H, 1, Tk)
+    _close(scores, expect_scores, F32, "scores")
+    _close(out, expect_out, F32, "out")
+
+
+def _case_decode_rank0(kt, ref, splits):
+    """Rank 0 (`--no-lowrank`): the model hands over (..., 0)-sized low-rank q/k; no 1/sqrt(0), aligned scores only."""
+    p = _layer(2, 4, 2, 1, 37, 16, 0, 5, F32, seed=8)
+    qlr, klr = torch.zeros(2, 4, 1, 0), torch.zeros(2, 4, 37, 0)
+    args = (p["s_prev"], p["mix"], p["bias"], p["w1"], p["b1"], p["w2"])
+    am = _padding_mask(2, 1, 37, F32)
+    out, scores = kt.lisa_decode(*args, qlr, klr, p["v"], am, num_splits=splits, backend="triton")
+    ref_out, ref_scores = ref.lisa_decode_reference(p["s_prev"][:, :, 0], *args[1:], None, None, p["v"], am)
+    ref0_out, ref0_scores = ref.lisa_decode_reference(p["s_prev"][:, :, 0], *args[1:], qlr[:, :, 0], klr, p["v"], am)
+    torch.testing.assert_close(ref0_out, ref_out)  # the reference agrees: rank 0 == no low-rank term
+    torch.testing.assert_close(ref0_scores, ref_scores)
+    _close(scores, ref_scores, F32, "scores")
+    _close(out, ref_out, F32, "out")
+
+
+def _case_prefill_rank0(kt, ref):
+    """Rank 0 on both prefill routes (fused from q_prev/k_prev, and materialised from S_prev)."""
+    p = _layer(1, 4, 2, 9, 13, 16, 0, 0, F32, seed=9)
+    qlr, klr = torch.zeros(1, 4, 9, 0), torch.zeros(1, 4, 13, 0)
+    w = (p["mix"], p["bias"], None, None, None)
+    kw = dict(q_prev=p["q_prev"], k_prev=p["k_prev"])
+    out, _ = kt.lisa_prefill(None, *w, qlr, klr, p["v"], **kw, backend="triton")
+    ref_out, _ = ref.lisa_prefill_reference(None, *w, None, None, p["v"], **kw)
+    _close(out, ref_out, F32, "fused out")
+    out, scores = kt.lisa_prefill(p["s_prev"], *w, qlr, klr, p["v"], return_scores=True, causal_skip=False,
+                                  backend="triton")  # fmt: skip
+    ref_out, ref_scores = ref.lisa_prefill_reference(p["s_prev"], *w, None, None, p["v"], return_scores=True)
+    _close(out, ref_out, F32, "materialised out")
+    _close(scores, ref_scores, F32, "materialised scores")
+
+
 PREFILL_CASES = {  # (batch, H, Hkv, Tq, Tk, rank, ffn, mask, causal_skip, dtype)
     "chunked-ffn-mask-full-S-f32": (2, 4, 2, 13, 21, 3, 5, True, False, F32),  # 8 cached keys
     "square-causal-skip-f32": (1, 4, 2, 19, 19, 3, 0, False, True, F32),
@@ -205,6 +292,11 @@ def _case_lowrank(kt, ref, rows, rank, bias, split_k, dtype):
 INTERP_CASES = {
     **{f"decode/{k}": (_case_decode, v) for k, v in DECODE_CASES.items()},
     "decode/model-layout-keepmask-f32": (_case_decode_model_layout, ()),
+    "decode/rank0-ffn-mask-nosplit-f32": (_case_decode_rank0, (1,)),
+    "decode/rank0-ffn-mask-split3-f32": (_case_decode_rank0, (3,)),
+    "adapter/rank3-ffn-mask-f32": (_case_adapter, (3, 5, True)),
+    "adapter/rank0-nomask-f32": (_case_adapter, (0, 0, False)),  # a --no-lowrank dense-Align shared layer
+    "prefill/rank0-f32": (_case_prefill_rank0, ()),
     **{f"prefill/{k}": (_case_prefill, v) for k, v in PREFILL_CASES.items()},
     **{f"prefill_qk/{k}": (_case_prefill_qk, v) for k, v in PREFILL_QK_CASES.items()},
     **{f"lowrank/{k}": (_case_lowrank, v) for k, v in LOWRANK_CASES.items()},
@@ -495,40 +587,17 @@ def test_reference_decode_equals_prefill_last_row():
     torch.testing.assert_close(d_scores, scores[:, :, -1])
 
 
-def test_model_adapter_matches_modeling_math():
-    """kernels/lisa_kernels.py (what modeling_lisa_llama.py imports) vs the modeling file's torch formula."""
-    from types import SimpleNamespace
-
-    _load_copy("_lisa_kernels_plain")
-    spec = importlib.machinery.ModuleSpec("_lisa_kernels_adapter", None, is_package=True)
-    spec.submodule_search_locations = [str(KERNELS_DIR)]
-    sys.modules["_lisa_kernels_adapter"] = importlib.util.module_from_spec(spec)
-    try:
-        adapter = importlib.import_module("_lisa_kernels_adapter.lisa_kernels")
-    finally:
-        for name in [n for n in sys.modules if n.startswith("_lisa_kernels_adapter")]:
-            del sys.modules[name]
-    torch.manual_seed(0)
-    B, H, Hkv, Tk, D, r, hidden = 2, 4, 2, 7, 8, 3, 5
-    align = SimpleNamespace(
-        mix=torch.randn(H, H), bias=torch.randn(H), ffn_in=torch.nn.Linear(H, hidden), ffn_out=torch.nn.Linear(hidden, H, bias=False)
-    )
-    module = SimpleNamespace(align=align, rank=r)
-    prev, q_lr = torch.randn(B, H, 1, Tk), torch.randn(B, H, 1, r)
-    k_lr, value = torch.randn(B, H, Tk, r), torch.randn(B, Hkv, Tk, D)
-    mask = torch.zeros(B, 1, 1, Tk)
-    mask[1, ..., :2] = torch.finfo(torch.float32).min
-    with torch.no_grad():
-        out, scores = adapter.fused_lisa_decode(module, prev, q_lr, k_lr, value, mask)
-        per_pos = prev.permute(0, 2, 3, 1)
-        expect = torch.einsum("hg,bgij->bhij", align.mix, prev) + align.bias[None, :, None, None]
-        expect = expect + align.ffn_out(torch.nn.functional.gelu(align.ffn_in(per_pos), approximate="tanh")).permute(0, 3, 1, 2)
-        expect = expect + q_lr @ k_lr.transpose(2, 3) * r**-0.5
-        probs = torch.softmax(expect + mask, dim=-1)
-        expect_out = (probs @ value.repeat_interleave(H // Hkv, dim=1)).transpose(1, 2)
-    assert out.shape == (B, 1, H, D) and scores.shape == (B, H, 1, Tk)
-    torch.testing.assert_close(scores, expect)
-    torch.testing.assert_close(out, expect_out)
+def test_model_gate_and_adapter_without_triton(monkeypatch):
+    """What modeling_lisa_llama.py imports from kernels/ (`fused_lisa_decode`, `triton_available`) imports without
+    triton, and the gate it calls says no for every tensor, so the model keeps its torch path. With triton, only
+    fp32/fp16/bf16 tensors on a GPU pass the gate (the kernel has no torch fallback)."""
+    kt, _ = _load_copy("_lisa_kernels_plain")
+    assert kt.triton_available(_fake_cuda(torch.zeros(1))) and kt.triton_available(_fake_cuda(torch.zeros(1).half()))
+    assert not kt.triton_available(torch.zeros(1)) and not kt.triton_available(_fake_cuda(torch.zeros(1).double()))
+    monkeypatch.setitem(sys.modules, "triton", None)
+    monkeypatch.setitem(sys.modules, "triton.language", None)
+    kt, _ = _load_copy("_lisa_kernels_notriton")
+    assert callable(kt.fused_lisa_decode) and not kt.triton_available(_fake_cuda(torch.zeros(1)))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -546,7 +615,7 @@ def kaot(request, monkeypatch):
         pytest.skip("TRITON_INTERPRET was set when triton was imported: cannot compile in this process")
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # silence the 3.9 deprecation warning
     kt, _ = _load_copy("_lisa_kernels_plain")
-    assert not kt._INTERPRET and isinstance(kt._lisa_decode_reduce_kernel, triton.runtime.JITFunction)
+    assert not kt._INTERPRET and isinstance(kt._lowrank_linear_kernel, triton.runtime.JITFunction)
     return kt
 
 
@@ -604,6 +673,12 @@ def test_compile_decode_sm90(kaot):
     launches[0].constexprs["BLOCK_N"] = 64  # the block size used on CUDA
     _compile_sm90(launches[0], triton.Config({}, num_warps=4, num_stages=2))
     _compile_sm90(launches[1])
+    # rank 0 (--no-lowrank), in the model's layout: (B,H,1,Tk) scores, (B,H,1,0) queries, (B,H,Tk,0) keys
+    q0, k0 = p["qlr"][..., :0], p["klr"][..., :0]
+    launches, _, _ = kaot._decode_plan(p["s_prev"], p["mix"], p["bias"], None, None, None, q0, k0, p["v"], am, True, 1)
+    assert len(launches) == 1 and not launches[0].constexprs["HAS_LR"]
+    launches[0].constexprs["BLOCK_N"] = 64
+    _compile_sm90(launches[0], triton.Config({}, num_warps=4, num_stages=2))
 
 
 def test_compile_prefill_sm90(kaot):

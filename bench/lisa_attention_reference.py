@@ -1,13 +1,15 @@
 """Torch reference implementations of the LISA shared-attention ops (CPU/GPU, any dtype).
 
-These are the numerical ground truth for the Triton kernels in `lisa_attention_triton.py` and the
-fallback path used whenever Triton or a CUDA device is unavailable. Everything is computed in fp32
-and cast back to the input dtype at the end.
+These are the numerical ground truth for the Triton kernels (the decode kernel in
+kernels/lisa_attention_triton.py, the prefill and low-rank kernels in bench/lisa_prefill_triton.py) and the
+fallback of the dispatching wrappers in bench/lisa_prefill_triton.py when Triton or a CUDA device is
+unavailable. Everything is computed in fp32 and cast back to the input dtype at the end. The model does not
+use them (it has its own torch path), so they are not shipped with converted models.
 
 Math (one shared layer, previous layer's pre-softmax scores S_prev, scaled, unmasked):
 
     S[b,h,i,j] = sum_g mix[h,g] S_prev[b,g,i,j] + bias[h]
-                 + FFN(S_prev[b,:,i,j])[h] + <qlr[b,h,i,:], klr[b,h,j,:]> / sqrt(r)
+                 + FFN(S_prev[b,:,i,j])[h] + <qlr[b,h,i,:], klr[b,h,j,:]> / sqrt(r)   (r = 0: no such term)
     FFN(s)     = w2 @ gelu_tanh(w1 @ s + b1)         (w1: (F,H), b1: (F,), w2: (H,F); F = 0 -> none)
     P          = softmax_j(S + causal + attn_mask)   (query i sits at absolute position Tk - Tq + i)
     out[b,h,i] = sum_j P[b,h,i,j] V[b, h // (H / Hkv), j]
@@ -15,7 +17,9 @@ Math (one shared layer, previous layer's pre-softmax scores S_prev, scaled, unma
 Shapes: s_prev (B,H,Tq,Tk), mix (H,H), bias (H,), qlr (B,H,Tq,r), klr (B,H,Tk,r), v (B,Hkv,Tk,D),
 attn_mask: additive float or boolean (True = keep), broadcastable to (B,1,Tq,Tk) (also (B,Tk) 0/1 keep-mask).
 
-This file imports only torch (it is shipped flat to the Hub next to remote modeling code).
+Imports torch and, for the mask convention it shares with the decode kernel, `normalize_attn_mask` from the
+sibling kernels/lisa_attention_triton.py: load it as one package spanning kernels/ and bench/ (flat relative
+imports, as on the Hub; see `load_kernels` in bench/bench_kernels.py).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import math
 
 import torch
 import torch.nn.functional as F
+
+from .lisa_attention_triton import normalize_attn_mask
 
 __all__ = [
     "lisa_prev_scores_reference",
@@ -38,33 +44,6 @@ __all__ = [
 
 def _has_ffn(w1: torch.Tensor | None) -> bool:
     return w1 is not None and w1.numel() > 0
-
-
-def normalize_attn_mask(attn_mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int) -> torch.Tensor | None:
-    """Returns an additive float mask broadcastable to (B, Tq, Tk) (a view where possible), or None.
-
-    Accepts an additive float mask (B|1, 1, Tq|1, Tk) or (B|1, Tq|1, Tk); a boolean mask of those shapes
-    (True = attend); or a 2D (B, Tk) keep-mask (bool or 0/1 integers, HF `attention_mask` style).
-    Masked entries of boolean/keep masks become -inf.
-    """
-    if attn_mask is None:
-        return None
-    m = attn_mask
-    if m.dim() == 2:  # HF-style (B, kv_len) keep mask
-        if m.dtype.is_floating_point:
-            raise ValueError("a 2D attn_mask must be a 0/1 or boolean keep-mask of shape (B, Tk)")
-        m = m[:, None, -kv_len:].bool()
-    elif m.dim() == 4:
-        if m.shape[1] != 1:
-            raise ValueError(f"attn_mask must have a singleton head dim, got {tuple(attn_mask.shape)}")
-        m = m[:, 0]
-    elif m.dim() != 3:
-        raise ValueError(f"attn_mask must be 2D, 3D or 4D, got {tuple(attn_mask.shape)}")
-    if m.dtype == torch.bool:
-        m = torch.zeros(m.shape, dtype=torch.float32, device=m.device).masked_fill(~m, float("-inf"))
-    elif not m.dtype.is_floating_point:
-        raise ValueError("a 3D/4D attn_mask must be additive (float) or boolean")
-    return m.expand(batch, q_len, kv_len)
 
 
 def lisa_prev_scores_reference(q_prev: torch.Tensor, k_prev: torch.Tensor, scale: float | None = None) -> torch.Tensor:
@@ -97,7 +76,7 @@ def lisa_scores_reference(
             hidden = hidden + b1.float()
         corr = torch.matmul(F.gelu(hidden, approximate="tanh"), w2.float().t())
         out = out + corr.permute(0, 3, 1, 2)
-    if qlr is not None:
+    if qlr is not None and qlr.shape[-1] > 0:  # rank 0: the aligned scores only
         rank = qlr.shape[-1]
         out = out + torch.matmul(qlr.float(), klr.float().transpose(-1, -2)) / math.sqrt(rank)
     return out.to(out_dtype or s_prev.dtype)

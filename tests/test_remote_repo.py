@@ -1,0 +1,195 @@
+"""What a converted repository offers to loaders other than `AutoModelForCausalLM`: the remote-code files it ships,
+`AutoModel` (vLLM's Transformers backend), and `AutoTokenizer` without `trust_remote_code`.
+
+One real `hfcompress convert` of the tiny Llama (two consecutive shared layers with dense Align, FASC) for the
+module; the loads run in ONE fresh process with stdin closed (`_LOADS`), whose JSON result every test reads.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from hfcompress.cli import app
+from hfcompress.remote import AUTO_MAP, remote_code_files
+from tiny_models import save_tiny_llama
+
+CONVERT = [
+    "--max-ppl-increase", "1000", "--no-speed", "--no-probe", "--distill-tokens", "0",
+    "--calib-sequences", "4", "--seq-len", "64", "--eval-tokens", "256", "--lisa-steps", "4",
+    "--lisa-layers", "2,3", "--lisa-align", "dense", "--fasc-budget", "0.8", "--ood-text", "none",
+]  # fmt: skip
+TEXT = "def f(x):\n    return x ** 2  # squares, 123 and naïve ünïcode"
+
+_LOADS = r"""
+import builtins, json, sys
+from pathlib import Path
+
+import torch
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+out_dir, source_dir, text, result_path = sys.argv[1:5]
+prompts = []
+_input = builtins.input
+
+
+def recording_input(prompt=""):  # transformers' "Do you wish to run the custom code? [y/N]"
+    prompts.append(str(prompt))
+    return _input(prompt)  # stdin is closed: EOFError, as in any non-interactive run
+
+
+builtins.input = recording_input
+result = {"tokenizer": {}}
+source = AutoTokenizer.from_pretrained(source_dir)
+result["source"] = {"class": type(source).__name__, "ids": source(text).input_ids, "prompts": len(prompts)}
+for mode, kwargs in (("unset", {}), ("false", {"trust_remote_code": False}), ("true", {"trust_remote_code": True})):
+    before = len(prompts)
+    try:
+        tok = AutoTokenizer.from_pretrained(out_dir, **kwargs)
+        entry = {"class": type(tok).__name__, "ids": tok(text).input_ids}
+    except Exception as exc:
+        entry = {"error": f"{type(exc).__name__}: {exc}"}
+    entry["prompts"] = prompts[before:]
+    result["tokenizer"][mode] = entry
+
+ids = torch.tensor([source(text).input_ids])
+base = AutoModel.from_pretrained(out_dir, trust_remote_code=True, dtype=torch.float32).eval()
+causal = AutoModelForCausalLM.from_pretrained(out_dir, trust_remote_code=True, dtype=torch.float32).eval()
+with torch.no_grad():
+    hidden = base(ids).last_hidden_state
+    causal_out = causal(ids, output_hidden_states=True)
+    causal_hidden = causal.model(ids).last_hidden_state
+result["automodel"] = {
+    "class": type(base).__name__,
+    "causal_class": type(causal).__name__,
+    "shape": list(hidden.shape),
+    "max_diff_vs_causal_model": (hidden - causal_hidden).abs().max().item(),
+    "max_diff_vs_causal_hidden_states": (hidden - causal_out.hidden_states[-1]).abs().max().item(),
+    "max_diff_logits": (causal.lm_head(hidden) - causal_out.logits).abs().max().item(),
+}
+# the remote-code modules transformers itself copied and imported for these loads
+files = [getattr(m, "__file__", None) for name, m in list(sys.modules.items()) if name.startswith("transformers_modules.")]
+result["remote_modules"] = sorted({Path(f).name for f in files if f and not f.endswith("__init__.py")})
+Path(result_path).write_text(json.dumps(result))
+"""
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> tuple[Path, Path]:
+    """(source dir, output dir of a real conversion of it)."""
+    import huggingface_hub.constants as hf_constants
+
+    root = tmp_path_factory.mktemp("remote_repo")
+    source = save_tiny_llama(root / "tiny-llama")
+    out = root / "tiny-llama-lisa"
+    with pytest.MonkeyPatch.context() as mp:  # module scope: the autouse offline fixture is not active yet
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+        result = CliRunner().invoke(
+            app, ["convert", str(source), "--out", str(out), *CONVERT], env={"HFCOMPRESS_CACHE": str(root / "cache")}
+        )
+    assert result.exit_code == 0, result.output
+    return source, out
+
+
+@pytest.fixture(scope="module")
+def loads(converted, tmp_path_factory) -> dict:
+    """The `_LOADS` child's result: fresh process, stdin closed, offline, its own HF_HOME (remote-code module cache)."""
+    import os
+
+    source, out = converted
+    work = tmp_path_factory.mktemp("remote_repo_loads")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(work / "hf_home"), TRANSFORMERS_VERBOSITY="error")
+    env.pop("HF_MODULES_CACHE", None)
+    result_path = work / "result.json"
+    proc = subprocess.run(
+        [sys.executable, "-c", _LOADS, str(out), str(source), TEXT, str(result_path)],
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(result_path.read_text())
+
+
+def test_ships_exactly_the_files_the_model_imports(converted, loads):
+    """Every .py in the repo is imported when transformers loads the model (its own remote-code machinery, in a
+    fresh process), and nothing else is shipped: no prefill/low-rank kernels, no torch references (bench/)."""
+    _, out = converted
+    shipped = sorted(p.name for p in out.glob("*.py"))
+    assert shipped == sorted(p.name for p in remote_code_files())
+    assert loads["remote_modules"] == shipped
+    assert {"modeling_lisa_llama.py", "configuration_lisa_llama.py", "lisa_kernels.py"} <= set(shipped)
+    bench = {p.name for p in (Path(__file__).resolve().parents[1] / "bench").glob("*.py")}
+    assert not bench & set(shipped)
+
+
+def test_remote_code_files_follow_the_imports(tmp_path, monkeypatch):
+    """`remote_code_files` is the relative-import closure of the AUTO_MAP modules: a kernels/ file nobody imports is
+    not shipped, and a relative import of a missing file is an error (not a silently smaller repo)."""
+    import hfcompress.remote as remote
+
+    modeling, kernels = tmp_path / "modeling", tmp_path / "kernels"
+    modeling.mkdir(), kernels.mkdir()
+    (modeling / "configuration_lisa_llama.py").write_text("X = 1\n")
+    (modeling / "modeling_lisa_llama.py").write_text(
+        "from .configuration_lisa_llama import X\ntry:\n    from .lisa_kernels import f\nexcept ImportError:\n    f = None\n"
+    )
+    (kernels / "lisa_kernels.py").write_text("from . import helper\n")
+    (kernels / "helper.py").write_text("")
+    (kernels / "unused.py").write_text("")
+    monkeypatch.setattr(remote, "modeling_dir", lambda: modeling)
+    monkeypatch.setattr(remote, "kernels_dir", lambda: kernels)
+    names = [(p.parent.name, p.name) for p in remote.remote_code_files()]
+    assert names == [
+        ("modeling", "configuration_lisa_llama.py"), ("modeling", "modeling_lisa_llama.py"),
+        ("kernels", "helper.py"), ("kernels", "lisa_kernels.py"),
+    ]  # fmt: skip
+    (kernels / "helper.py").unlink()
+    with pytest.raises(FileNotFoundError, match="'helper' found 0 times"):
+        remote.remote_code_files()
+
+
+def test_auto_model_loads_the_base_model(converted, loads):
+    """auto_map names AutoModel (vLLM's loader asks for it), and the base model it loads computes the causal LM's
+    hidden states."""
+    _, out = converted
+    config = json.loads((out / "config.json").read_text())
+    assert config["auto_map"] == AUTO_MAP and config["auto_map"]["AutoModel"] == "modeling_lisa_llama.LisaLlamaModel"
+    assert [int(k) for k in config["lisa_layers"]] == [2, 3] and config["fasc_ranks"]
+    got = loads["automodel"]
+    assert got["class"] == "LisaLlamaModel" and got["causal_class"] == "LisaLlamaForCausalLM"
+    assert got["shape"] == [1, len(loads["source"]["ids"]), 64]
+    assert got["max_diff_vs_causal_model"] <= 1e-5
+    assert got["max_diff_vs_causal_hidden_states"] <= 1e-5
+    assert got["max_diff_logits"] <= 1e-4
+
+
+def test_tokenizer_is_the_standard_one(converted, loads):
+    """tokenizer_config.json names the source's transformers class and declares no code; AutoTokenizer with
+    trust_remote_code=False or True loads it with no prompt, with the source's ids (and so does a bare call, once
+    the custom-code question it asks has been refused by the closed stdin)."""
+    _, out = converted
+    tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
+    assert tokenizer_config["tokenizer_class"] == loads["source"]["class"] == "TokenizersBackend"
+    assert not {"auto_map", "is_local", "local_files_only"} & set(tokenizer_config)
+    assert loads["source"]["prompts"] == 0
+    for mode in ("false", "true", "unset"):
+        entry = loads["tokenizer"][mode]
+        assert "error" not in entry, (mode, entry)
+        assert entry["class"] == loads["source"]["class"] and entry["ids"] == loads["source"]["ids"], mode
+    assert loads["tokenizer"]["false"]["prompts"] == [] and loads["tokenizer"]["true"]["prompts"] == []
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="transformers 5.24 AutoTokenizer.from_pretrained calls AutoConfig.from_pretrained(repo, trust_remote_code="
+    "None) before it reads tokenizer_config.json; config.json's auto_map (AutoConfig) with an unregistered model_type "
+    "makes that ask 'Do you wish to run the custom code? [y/N]'. Nothing in tokenizer_config.json is read in time to "
+    "prevent it. If this passes, transformers changed: drop the xfail.",
+)
+def test_tokenizer_without_trust_flag_asks_nothing(loads):
+    assert loads["tokenizer"]["unset"]["prompts"] == []

@@ -18,7 +18,12 @@ import torch
 from .calibrate import cache_key
 from .errors import HfcompressError
 from .progress import console, progress_bar
-from .source import ResolvedSource, _first_line, source_identity
+from .source import (
+    ResolvedSource,
+    _first_line,
+    check_gguf_architecture,
+    source_identity,
+)
 
 
 def _corrupt(name: str, err: BaseException) -> HfcompressError:
@@ -106,6 +111,7 @@ def dequantise_gguf(path: Path, directory: Path) -> None:
         read_field,
     )
 
+    check_gguf_architecture(path)  # from the header, in a moment: a refused GGUF costs no parse nor dequantising
     console.log(f"dequantising {path.name} once into {directory} (float32 safetensors)")
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     parsed = load_gguf_checkpoint(str(path), return_tensors=False)  # its config fields, for the tensor processor

@@ -5,10 +5,20 @@ never downloaded nor executed, with or without --trust-remote-code. A source tha
 `auto_map` in config.json or tokenizer_config.json) is refused unless --trust-remote-code is given; with it, the
 source is converted as a Llama model if its config has the Llama fields and its safetensors hold exactly the Llama
 tensors (checked at load), and its tokenizer is read from tokenizer.json by the built-in fast tokenizer class.
+
+A Hub source is fetched with only the revision-qualified requests huggingface_hub's own downloads make (model info
+at the branch, tag or commit, then the tree and the files at the commit it resolved), so a mirror that serves just
+those works, and every file comes from that one commit even if the repo is pushed to meanwhile.
+
+A .gguf source is identified from its header (`general.architecture`) before transformers parses its metadata or
+anything is dequantised.
 """
 
 import importlib.util
 import json
+import os
+import struct
+import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -17,6 +27,7 @@ import torch
 
 from .errors import WRITE_FAILED_EXIT, HfcompressError
 from .hub import configure_http, describe, http_timeout, status_code, with_retries
+from .progress import console
 
 BUILTIN_SOURCE = "smollm2-135m-instruct"
 BUILTIN_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -25,7 +36,22 @@ SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM"}
 # What a custom-code config must still define to be loaded as a Llama model under --trust-remote-code.
 LLAMA_CONFIG_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
-# Only what a Llama checkpoint needs: no *.bin pickles, no .pth, no source code.
+
+
+def _any_case(pattern: str) -> str:
+    """An fnmatch pattern matching `pattern` in any letter case (huggingface_hub matches case-sensitively)."""
+    return "".join(f"[{c.upper()}{c.lower()}]" if c.isalpha() else c for c in pattern)
+
+
+# The source's licence files, which the card carries over (card.py takes the top-level files whose names start so,
+# in any case): the bare name, or any name starting so that ends in a text extension. Never a code file.
+LICENCE_FILE_PREFIXES = ("LICENSE", "LICENCE", "NOTICE", "USE_POLICY")
+LICENCE_PATTERNS = [
+    _any_case(pattern)
+    for prefix in LICENCE_FILE_PREFIXES
+    for pattern in (prefix, f"{prefix}*.txt", f"{prefix}*.md", f"{prefix}*.rst")
+]
+# Only what a Llama checkpoint needs, its model card and its licence: no *.bin pickles, no .pth, no source code.
 HUB_ALLOW_PATTERNS = [
     "config.json",
     "generation_config.json",
@@ -34,7 +60,11 @@ HUB_ALLOW_PATTERNS = [
     "tokenizer*",
     "special_tokens_map.json",
     "chat_template.jinja",
+    "README.md",
+    *LICENCE_PATTERNS,
 ]
+# GGUF `general.architecture` values hfcompress converts (llama.cpp writes "llama" for Llama-family models).
+SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
 
 
 @dataclass
@@ -126,9 +156,97 @@ def _resolve_local_dir(path: Path, name: str, trust_remote_code: bool) -> Resolv
     return ResolvedSource(kind="local", name=name, path=str(path), custom_code=custom)
 
 
+# Sizes of the fixed-size GGUF value types (gguf's GGUFValueType numbering); 8 is a string, 9 an array.
+_GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+class _Truncated(Exception):
+    pass
+
+
+def gguf_architecture(path: Path) -> str:
+    """`general.architecture` from a GGUF file's header, reading only the key/value pairs before it (llama.cpp
+    writes it first): no tensor data, and none of the tokenizer arrays that gguf's GGUFReader (and so transformers)
+    parses in full, which takes tens of seconds for a large vocabulary."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+
+        def read(n: int) -> bytes:
+            if n > size - f.tell():
+                raise _Truncated
+            return f.read(n)
+
+        magic = f.read(4)
+        if magic != b"GGUF":
+            kind = "a Git LFS pointer, not the file itself" if magic == b"vers" else "not a GGUF file"
+            raise HfcompressError(
+                f"{path} is {kind} (it does not start with the GGUF magic bytes): pass a real .gguf model file "
+                "(llama.cpp format), a model directory or a Hub id."
+            )
+        try:
+            (version,) = struct.unpack("<I", read(4))
+            order = "<" if version & 0xFFFF else ">"  # the version reads as 0x0N000000 in the other byte order
+            version = struct.unpack(order + "I", struct.pack("<I", version))[0]
+            if version not in (2, 3):
+                raise HfcompressError(
+                    f"{path} is a GGUF file of version {version}, which hfcompress cannot read (only versions 2 and "
+                    "3): convert the model again with a current llama.cpp."
+                )
+
+            def number(fmt: str) -> int:
+                return struct.unpack(order + fmt, read(struct.calcsize(fmt)))[0]
+
+            def skip(kind: int) -> None:
+                if kind in _GGUF_SCALAR_BYTES:
+                    f.seek(_GGUF_SCALAR_BYTES[kind], os.SEEK_CUR)
+                elif kind == _GGUF_STRING:
+                    f.seek(number("Q"), os.SEEK_CUR)
+                elif kind == _GGUF_ARRAY:
+                    item, count = number("I"), number("Q")
+                    if item in _GGUF_SCALAR_BYTES:
+                        f.seek(count * _GGUF_SCALAR_BYTES[item], os.SEEK_CUR)
+                    else:
+                        for _ in range(count):
+                            skip(item)
+                else:
+                    raise _Truncated  # an unknown value type: the header is damaged
+                if f.tell() > size:
+                    raise _Truncated
+
+            number("Q")  # tensor count
+            for _ in range(number("Q")):  # key/value count
+                key = read(number("Q"))
+                kind = number("I")
+                if key == b"general.architecture" and kind == _GGUF_STRING:
+                    return read(number("Q")).decode("utf-8", errors="replace")
+                skip(kind)
+        except (_Truncated, struct.error, OverflowError, ValueError):
+            raise HfcompressError(
+                f"{path} is a truncated or damaged GGUF file (its header cannot be read): download it again."
+            ) from None
+    raise HfcompressError(
+        f"{path} names no architecture (no general.architecture in its GGUF header): it is not a llama.cpp model "
+        "file; pass a Llama GGUF, a model directory or a Hub id."
+    )
+
+
+def check_gguf_architecture(path: Path) -> None:
+    """Refuse a GGUF whose header names an architecture hfcompress does not convert, before any parsing."""
+    architecture = gguf_architecture(path)
+    if architecture not in SUPPORTED_GGUF_ARCHITECTURES:
+        supported = ", ".join(f"'{a}'" for a in SUPPORTED_GGUF_ARCHITECTURES)
+        raise HfcompressError(
+            f"{path} is a GGUF of architecture {architecture[:64]!r} (general.architecture in its header), but "
+            f"hfcompress converts only GGUF architecture {supported} (Llama models): pass a Llama GGUF, a Llama "
+            "model directory or a Hub id."
+        )
+
+
 def _resolve_gguf(path: Path, name: str) -> ResolvedSource:
     from transformers import AutoConfig
 
+    check_gguf_architecture(path)  # from the header: transformers would first parse every field (slow)
     try:
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     except Exception as err:  # gguf raises many types on a bad file
@@ -150,9 +268,17 @@ def _resolve_hub(repo_id: str, revision: str | None, token: str | None, trust_re
     configure_http()
     api = HfApi(token=token)
     where = f"Hub repo {repo_id}"
+    # What snapshot_download and from_pretrained ask when given no revision: the revision-qualified model info
+    # (GET /api/models/{repo}/revision/main), never the bare /api/models/{repo}, which a mirror need not serve.
+    requested = revision or constants.DEFAULT_REVISION
     try:
         # model_info is not retried by huggingface_hub (downloads are); it also needs an explicit timeout
-        info = with_retries(lambda: api.model_info(repo_id, revision=revision, timeout=http_timeout()), where)
+        info = with_retries(lambda: api.model_info(repo_id, revision=requested, timeout=http_timeout()), where)
+        if not info.sha:
+            raise HfcompressError(
+                f"The Hub answered for {where} without the commit that revision '{requested}' points to: use "
+                "huggingface.co or a mirror that serves the revision API."
+            )
         files = {s.rfilename for s in info.siblings or []}
         if "config.json" not in files:
             raise HfcompressError(f"{where} has no config.json: it is not a transformers model.")
@@ -167,8 +293,11 @@ def _resolve_hub(repo_id: str, revision: str | None, token: str | None, trust_re
         if not any(f.endswith(".safetensors") for f in files):
             raise HfcompressError(f"{where} has no *.safetensors weights; hfcompress does not load pickles.")
         _require_tokenizer(files, where)
-        # by name, not by sha: only then does the cache record the branch/tag, which HF_HUB_OFFLINE=1 reruns need
-        path = snapshot_download(repo_id, revision=revision or "main", allow_patterns=HUB_ALLOW_PATTERNS, token=token)
+        # At the commit resolved above, not by name: a push between the two calls cannot mix two commits' files.
+        path = snapshot_download(repo_id, revision=info.sha, allow_patterns=HUB_ALLOW_PATTERNS, token=token)
+        _check_snapshot(Path(path), info.sha, files, where)
+        # A download by sha records no branch/tag in the cache; HF_HUB_OFFLINE=1 reruns find the snapshot by it.
+        _record_ref(Path(path), requested, info.sha)
     except GatedRepoError as err:
         raise HfcompressError(
             f"{where} is gated: accept its terms on the model page and log in (`hf auth login`) with that account."
@@ -201,9 +330,40 @@ def _resolve_hub(repo_id: str, revision: str | None, token: str | None, trust_re
             exit_code=WRITE_FAILED_EXIT,
         ) from err
     return ResolvedSource(
-        kind="hub", name=repo_id, path=path, repo_id=repo_id, revision=revision or "main",
-        commit_sha=Path(path).name, base_model=repo_id, custom_code=custom,  # the snapshot directory is its commit
+        kind="hub", name=repo_id, path=path, repo_id=repo_id, revision=requested,
+        commit_sha=info.sha, base_model=repo_id, custom_code=custom,
     )
+
+
+def _check_snapshot(path: Path, sha: str, files: set[str], where: str) -> None:
+    """The snapshot directory is that of the commit resolved, and holds every file of it that was asked for (a
+    server that answered a download at the commit with another commit's file would leave it elsewhere)."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    wanted = sorted(filter_repo_objects(files, allow_patterns=HUB_ALLOW_PATTERNS))
+    missing = wanted if path.name != sha else [f for f in wanted if not (path / f).exists()]
+    if missing:
+        raise HfcompressError(
+            f"The download of {where} at commit {sha} is incomplete (missing {missing[:3]}): the server did not "
+            "serve the files of that commit; rerun, or use huggingface.co if a mirror is in between."
+        )
+
+
+def _record_ref(snapshot: Path, revision: str, sha: str) -> None:
+    """Record in the Hub cache that `revision` (a branch or tag) points to `sha`, as huggingface_hub does when it
+    downloads by name: the file refs/<revision> next to snapshots/, holding the commit (written atomically)."""
+    if revision == sha:
+        return
+    ref = snapshot.parent.parent / "refs" / revision
+    try:
+        if ref.is_file() and ref.read_text() == sha:
+            return
+        ref.parent.mkdir(parents=True, exist_ok=True)
+        tmp = ref.with_name(f"{ref.name}.{uuid.uuid4().hex[:8]}.tmp")
+        tmp.write_text(sha)
+        os.replace(tmp, ref)
+    except OSError as err:  # like huggingface_hub: only an offline rerun by name needs it
+        console.log(f"could not record {revision} -> {sha} in the Hub cache ({err}); offline reruns need it")
 
 
 def looks_like_repo_id(source: str) -> bool:

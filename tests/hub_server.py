@@ -19,7 +19,9 @@ Implemented endpoints (``{T}`` is ``models``/``datasets``/``spaces``; ``{prefix}
 or ``spaces/``):
 
 * ``GET /api/whoami-v2``
-* ``GET /api/{T}`` (list), ``GET /api/{T}/{repo}``, ``GET /api/{T}/{repo}/revision/{rev}`` (repo info)
+* ``GET /api/{T}`` (list), ``GET /api/{T}/{repo}``, ``GET /api/{T}/{repo}/revision/{rev}`` (repo info; the
+  un-revisioned ``GET /api/{T}/{repo}`` answers 401 when ``unrevisioned_info=False``, like a mirror that serves
+  only what ``snapshot_download`` asks)
 * ``GET /api/{T}/{repo}/tree/{rev}[/{path}]`` (``recursive``, paginated with a ``Link`` header)
 * ``POST /api/{T}/{repo}/paths-info/{rev}``
 * ``GET /api/{T}/{repo}/commits/{rev}``, ``GET /api/{T}/{repo}/refs``
@@ -229,6 +231,7 @@ class LocalHub:
         init_gitattributes: bool = True,
         tree_page_size: int = 1000,
         cdn_host: str | None = None,
+        unrevisioned_info: bool = True,
         verbose: bool = False,
     ):
         self.root = Path(root)
@@ -245,6 +248,10 @@ class LocalHub:
         # If set (e.g. "localhost" while the server binds 127.0.0.1), resolve of LFS files answers a 302 to
         # http://{cdn_host}:{port}/_cdn/... like the real Hub's CDN redirect (another origin: no auth forwarded).
         self.cdn_host = cdn_host
+        # False: the un-revisioned repo info (GET /api/models/{repo}) answers a bare 401, as a Hub mirror does that
+        # serves only the revision-qualified endpoints huggingface_hub's downloads use (/revision/{rev}, tree,
+        # resolve); huggingface_hub reads that 401 as RepositoryNotFoundError. Can be changed while serving.
+        self.unrevisioned_info = unrevisioned_info
         self.verbose = verbose
         # Fault injection: (METHOD or "*", path prefix) -> list of actions consumed one per matching request.
         # An action is an int status code (e.g. 503), "reset" (close the connection without answering),
@@ -820,6 +827,8 @@ class _Handler(BaseHTTPRequestHandler):
         args = tail[1:]
         with self.hub._lock:
             if op is None and method == "GET":
+                if not self.hub.unrevisioned_info:
+                    raise HubError(401, "Unauthorized: this mirror serves only revision-qualified repo info")
                 return self._repo_info(repo_type, repo_id, "main")
             if op == "revision" and len(args) == 1 and method == "GET":
                 return self._repo_info(repo_type, repo_id, args[0])
@@ -1440,11 +1449,18 @@ def main(argv: list[str] | None = None) -> None:
         "--token", action="append", default=[], metavar="TOKEN=USER",
         help=f"accepted token (repeatable; default {next(iter(DEFAULT_TOKENS))}={next(iter(DEFAULT_TOKENS.values()))})",
     )
+    parser.add_argument(
+        "--no-unrevisioned-info", action="store_true",
+        help="answer 401 to GET /api/{T}/{repo} (no /revision/{rev}), like a mirror",
+    )
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
     tokens = dict(t.split("=", 1) for t in args.token) if args.token else None
     root = args.root or tempfile.mkdtemp(prefix="localhub-")
-    hub = LocalHub(root, tokens=tokens, host=args.host, port=args.port, verbose=args.verbose)
+    hub = LocalHub(
+        root, tokens=tokens, host=args.host, port=args.port, unrevisioned_info=not args.no_unrevisioned_info,
+        verbose=args.verbose,
+    )
     url = hub.start()
     print(url, flush=True)
     try:

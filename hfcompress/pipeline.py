@@ -39,7 +39,7 @@ from .build import (
     write_output_dir,
 )
 from .calibrate import cache_key, new_linear_stats, tensor_fingerprint, track_linear_stats
-from .card import write_card
+from .card import carry_licence, write_card
 from .checkpoint import Checkpoint, check_checkpoint, open_checkpoint, pack_shards, save_tensors
 from .config import ConvertOptions, resolve_device
 from .distill import DistillData
@@ -54,7 +54,7 @@ from .report import Report, Validation
 from .source import ResolvedSource, load_tokenizer, resolve_source, source_identity
 from .speed import hardware_description
 from .stream import LayerStream, Processes, save_atomic, token_nll
-from .text import chunk, other_domain_ids, text_streams
+from .text import chunk, hub_dataset, other_domain_ids, text_streams
 from .validate import PerplexityResult, verify_written
 from .wholemodel import WholeModelSteps
 
@@ -495,12 +495,15 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> Report:
             expected_logits = results.expected_logits
             refuse_non_finite(perplexities)
     gate_rows, gate_passed, gate_message = quality_gate(perplexities, options.max_ppl_increase)
+    for row in gate_rows:  # the Hub dataset split a text is (id, config, split, revision), for the card's model-index
+        row["dataset"] = hub_dataset(row["eval_text"])
     main_row = gate_rows[0]
     report = Report(
         versions=versions(), command=run.command, source=source.to_dict(), num_layers=run.stream.num_layers,
         hardware=hardware_description(run.device), device=str(run.device), processes=processes.count,
         calibration={"text": streams.calib_name, "sequences": len(sequences), "seq_len": int(sequences.shape[1]),
-                     "tokens": int(sequences.numel()), "text_tokens": len(streams.calib_ids), "cache_dir": str(run.calib_dir)},
+                     "tokens": int(sequences.numel()), "text_tokens": len(streams.calib_ids), "cache_dir": str(run.calib_dir),
+                     "dataset": hub_dataset(streams.calib_name)},
         methods={m.name: m.report() for m in methods}, finishers=finished,
         validation=Validation(
             eval_text=main_row["eval_text"], original=main_row["original"], converted=main_row["converted"],
@@ -528,6 +531,7 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> Report:
         report.plots = write_plots(report.to_dict(), directory / "plots")
         report.wall_seconds = round(time.perf_counter() - run.started, 1)
         report.memory = {**peak_memory(), "peak_rss_mb_after_step": run.peaks}
+        report.licence = carry_licence(report.source, directory)
         write_card(report.to_dict(), repo_id, directory)
         report.save(directory)
 

@@ -48,6 +48,7 @@ class Report:
     timings: dict = field(default_factory=dict)
     memory: dict = field(default_factory=dict)
     plots: dict = field(default_factory=dict)
+    licence: dict = field(default_factory=dict)  # the source's licence, where it was declared, the files copied (card.py)
     wall_seconds: float | None = None
     push: dict | None = None
 

@@ -21,7 +21,7 @@
 """
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -47,12 +47,37 @@ _ROLES = {"calibration": ("--calib-text", "train"), "evaluation": ("--eval-text"
 
 
 @dataclass(frozen=True)
+class HubDataset:
+    """Where a text came from when it is a split of a Hub dataset: what the card's model-index and `datasets:` name."""
+
+    id: str  # owner/name on the Hub
+    config: str | None
+    split: str
+    revision: str | None  # the commit loaded; None when read from the cache offline
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class Text:
     """A named text. `held_out`: calibration reads its first 75% and evaluation its last 25% (no separate test split)."""
 
     name: str
     text: str
     held_out: bool
+    dataset: HubDataset | None = None  # set for a Hub dataset split
+
+
+# text name -> its Hub dataset, for every dataset split loaded in this process: the report records it next to the name
+_HUB_DATASETS: dict[str, HubDataset] = {}
+
+
+def hub_dataset(name: str) -> dict | None:
+    """{id, config, split, revision} of the Hub dataset split a text of this report name was read from, else None
+    (the built-in text, the news corpus and files are not Hub datasets)."""
+    dataset = _HUB_DATASETS.get(name)
+    return dataset.to_dict() if dataset else None
 
 
 def builtin_text() -> str:
@@ -123,7 +148,10 @@ def _load_dataset(repo: str, config: str | None, split: str, revision: str | Non
     if "text" not in rows.column_names:
         raise HfcompressError(f"{described} has no 'text' column (it has {', '.join(rows.column_names)}): choose a text dataset.")
     at = f" @{revision[:8]}" if revision else ""
-    return Text(f"{repo}{' ' + config if config else ''}, {split} split{at}", "\n\n".join(rows["text"]), held_out=False)
+    dataset = HubDataset(repo, config, split, revision)
+    text = Text(f"{repo}{' ' + config if config else ''}, {split} split{at}", "\n\n".join(rows["text"]), False, dataset)
+    _HUB_DATASETS[text.name] = dataset
+    return text
 
 
 def _load_wikitext(split: str, revision: str | None) -> Text:

@@ -64,9 +64,10 @@ def test_hub_round_trip(tiny_llama_dir, hub_api, hub_env, local_hub, tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "lisa_llama" and config["auto_map"]["AutoModelForCausalLM"]
     card = (out / "README.md").read_text()
-    for needle in ("hfcompress", "custom_code", "model-index", "perplexity", "trust_remote_code=True", target_repo,
-                   f"base_model: {source_repo}"):
+    for needle in ("hfcompress", "custom_code", "perplexity", "trust_remote_code=True", target_repo,
+                   f"base_model: {source_repo}", "base_model_relation: finetune"):
         assert needle in card
+    assert "model-index" not in card  # the built-in and news texts are not Hub datasets (tests/test_card.py)
 
     remote_files = set(local_hub.files(target_repo, "main"))
     assert {"config.json", "model.safetensors", "modeling_lisa_llama.py", "README.md", "tokenizer.json"} <= remote_files

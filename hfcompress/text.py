@@ -115,7 +115,8 @@ def _probe_dataset(endpoint: str, repo: str = WIKITEXT_REPO) -> tuple[str | None
     from huggingface_hub import HfApi
 
     try:
-        info = HfApi(endpoint=endpoint).dataset_info(repo, timeout=PROBE_TIMEOUT_S)
+        # revision-qualified, as datasets' own downloads ask: a mirror may refuse the bare /api/datasets/{repo}
+        info = HfApi(endpoint=endpoint).dataset_info(repo, revision="main", timeout=PROBE_TIMEOUT_S)
     except Exception as err:  # DNS, refused, timeout, 401/404: every failure means the same here
         status = getattr(getattr(err, "response", None), "status_code", None)
         if status:

@@ -106,8 +106,10 @@ print(json.dumps({role: [t.name, t.text, t.held_out] for role in ("calibration",
 """
 
 
-def test_wikitext2_loads_through_datasets(wikitext_hub, hub_env):
+@pytest.mark.parametrize("mirror", [False, True], ids=["hub", "mirror without un-revisioned info"])
+def test_wikitext2_loads_through_datasets(wikitext_hub, hub_env, mirror):
     hub, sha, train, test = wikitext_hub
+    hub.unrevisioned_info = not mirror  # a mirror answers 401 on the bare /api/datasets/{repo}
     proc = subprocess.run([sys.executable, "-c", LOAD_BOTH], env=hub_env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     loaded = json.loads(proc.stdout.strip().splitlines()[-1])

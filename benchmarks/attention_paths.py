@@ -36,7 +36,7 @@ def main() -> None:
 
     q, k, v = randn(1, heads, tokens, dim), randn(1, kv_heads, tokens, dim), randn(1, kv_heads, tokens, dim)
     q_cat, k_cat = randn(1, heads, tokens, dim + rank), randn(1, heads, tokens, dim + rank)
-    mask = modeling.additive_attention_mask(None, 1, tokens, 0, torch.float32, torch.device("cpu"))
+    mask = modeling.causal_block_mask(0, tokens, tokens, 0, torch.float32, torch.device("cpu"))[None, None]
     align = modeling.LisaHeadAlign(heads, 16)
     prev_scores = randn(1, heads, tokens, tokens)
     k_rep, v_rep = modeling.repeat_kv(k, heads // kv_heads), modeling.repeat_kv(v, heads // kv_heads)

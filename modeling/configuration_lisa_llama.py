@@ -33,6 +33,18 @@ class LisaLlamaConfig(LlamaConfig):
         self.fasc_ranks = {str(k): int(v) for k, v in (self.fasc_ranks or {}).items()}
         super().__post_init__(**kwargs)
 
+    @property
+    def layer_types(self) -> list[str]:
+        """Per layer, its cache layer type: "lisa_attention" for a LISA layer (its keys are H low-rank heads, its
+        values the KV heads: it needs the cache layers `modeling_lisa_llama.py` registers under that name), else
+        "full_attention". transformers' caches (`DynamicCache(config=...)`, `StaticCache`) build layers from it."""
+        layers = range(self.num_hidden_layers)
+        return ["lisa_attention" if str(i) in self.lisa_layers else "full_attention" for i in layers]
+
+    def validate_layer_type(self):
+        """Nothing to check: `layer_types` follows from `lisa_layers`, and the library's list of layer types does not
+        hold this model's own "lisa_attention"."""
+
     def validate_architecture(self):
         super().validate_architecture()
         for key, spec in self.lisa_layers.items():

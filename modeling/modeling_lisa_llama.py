@@ -20,8 +20,17 @@ What a layer hands to a following LISA layer:
   at every (query, key) and recomputing a chain of non-linear layers would cost O(chain length^2).
 - Decode (one query row): every layer hands its score row for the new token, which it computes anyway for its own
   softmax; GQA runs by reshaping the query to the KV heads, so the K and V caches are never copied to H heads.
-A LISA layer caches only its low-rank K (r per head) and its V.
+A LISA layer caches only its low-rank K (r per head) and its V (cache layers of type "lisa_attention", below).
 A FASC linear is `y = proj_out(proj_in(x))` (`A (B x)`).
+
+Masks: the full layers' attention backend gets transformers' causal mask. The layers that materialise scores (LISA
+layers, the score rows handed to them, `output_attentions`) get its additive form wherever transformers materialises
+it or the cache has a fixed size (a static cache returns all its slots, those after the current position unwritten);
+otherwise (no padding, keys = past + current tokens) they run plain causal attention: SDPA's is_causal, or causal
+blocks that skip the keys after their last row.
+Outputs as Llama's: `output_hidden_states` records every decoder layer (the last state after the final norm);
+`output_attentions` takes every layer's probabilities from a materialising path (a full layer leaves the backend, a
+sparse layer the feature SDPA call for it).
 """
 
 from collections.abc import Callable
@@ -29,11 +38,12 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, StaticLayer
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
     LlamaRMSNorm,
@@ -42,6 +52,11 @@ from transformers.models.llama.modeling_llama import (
     eager_attention_forward,
     repeat_kv,
 )
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils.deprecation import deprecate_kwarg
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_lisa_llama import LisaLlamaConfig
 
@@ -52,6 +67,35 @@ except ImportError:  # kernels file not shipped, or triton missing
 
     def triton_available(tensor: torch.Tensor) -> bool:
         return False
+
+
+class LisaDynamicLayer(DynamicLayer):
+    """Dynamic cache of a LISA layer (`config.layer_types` "lisa_attention"): low-rank keys (B, H, T, r) and values
+    (B, KV, T, head_dim), concatenated like any layer's."""
+
+    _layer_type = "lisa_attention"  # registers the class for DynamicCache(config=...)
+
+
+class LisaStaticLayer(StaticLayer):
+    """Static cache of a LISA layer: StaticLayer would allocate the values with the keys' head count (H low-rank
+    heads), here they keep their own (KV)."""
+
+    _layer_type = "lisa_attention"  # registers the class for StaticCache (generate's cache_implementation="static")
+    # early_initialization gives every layer one (heads, head_dim): this layer allocates at its first update instead
+    supports_early_init = False
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.batch_size, self.num_heads = key_states.shape[:2]
+        self.k_head_dim, self.v_head_dim = key_states.shape[-1], value_states.shape[-1]
+        self.keys = key_states.new_zeros(self.batch_size, self.num_heads, self.max_cache_len, self.k_head_dim)
+        kv_heads = value_states.shape[1]
+        self.values = value_states.new_zeros(self.batch_size, kv_heads, self.max_cache_len, self.v_head_dim)
+        self.cumulative_length = self.cumulative_length.to(self.device)
+        if not torch.compiler.is_compiling():  # fixed addresses for compiled decode steps and CUDA graphs
+            for tensor in (self.keys, self.values, self.cumulative_length):
+                torch._dynamo.mark_static_address(tensor)
+        self.is_initialized = True
 
 
 class FascLinear(nn.Module):
@@ -113,24 +157,27 @@ class LisaSparseAlign(nn.Module):
         return query, key.index_select(1, self.source // groups)
 
 
-def additive_attention_mask(
-    attention_mask: torch.Tensor | None, batch: int, q_len: int, past_len: int, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """(B, 1, q_len, past_len + q_len) additive mask: causal plus padding from a 2D (B, kv_len) 0/1 mask."""
-    if attention_mask is not None and attention_mask.dim() == 4:
-        if attention_mask.dtype == torch.bool:
-            return torch.zeros(attention_mask.shape, dtype=dtype, device=device).masked_fill(
-                ~attention_mask, torch.finfo(dtype).min
-            )
-        return attention_mask.to(dtype)
-    kv_len = past_len + q_len
-    query_pos = torch.arange(past_len, kv_len, device=device)[:, None]
-    allowed = (torch.arange(kv_len, device=device)[None, :] <= query_pos)[None, None]
-    if attention_mask is not None:
-        allowed = allowed & attention_mask[:, None, None, -kv_len:].bool()
-    allowed = allowed.expand(batch, 1, q_len, kv_len)
-    # finfo.min, not -inf: a fully padded row gives a uniform softmax instead of NaN
-    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+def score_mask(
+    config: LisaLlamaConfig, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor | None, cache: Cache | None,
+    position_ids: torch.Tensor, causal_mask: torch.Tensor | None,
+) -> torch.Tensor | None:  # fmt: skip
+    """The additive (B, 1, Tq, Tk) mask of the attention that materialises its scores, from transformers' causal mask
+    `causal_mask`, or None for plain causal attention over exactly the past and the current keys."""
+    fixed_size = cache is not None and cache.is_compileable
+    if causal_mask is None and not fixed_size:
+        return None
+    if causal_mask is None:  # SDPA's top-left is_causal hides a static cache's unwritten slots, the LISA paths do not
+        causal_mask = create_causal_mask(
+            config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
+            position_ids=position_ids, allow_is_causal_skip=False,
+        )  # fmt: skip
+    dtype = inputs_embeds.dtype
+    if causal_mask.dtype == torch.bool:
+        # finfo.min, not -inf: a fully masked row (a padded query) gives a uniform softmax instead of NaN
+        return torch.zeros(causal_mask.shape, dtype=dtype, device=causal_mask.device).masked_fill(
+            ~causal_mask, torch.finfo(dtype).min
+        )
+    return causal_mask.to(dtype)
 
 
 def causal_block_mask(
@@ -148,7 +195,7 @@ def block_mask(
     additive_mask: torch.Tensor | None, start: int, stop: int, kv_end: int, past_len: int, dtype: torch.dtype,
     device: torch.device,
 ) -> torch.Tensor | None:  # fmt: skip
-    """The mask of query rows start..stop over keys ..kv_end: a slice of the model's padding mask when there is one,
+    """The mask of query rows start..stop over keys ..kv_end: a slice of the model's `score_mask` when there is one,
     else causal only."""
     if additive_mask is not None:
         return additive_mask[:, :, start:stop, :kv_end]
@@ -168,13 +215,15 @@ def grouped_scores(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     return torch.bmm(grouped, keys).view(batch, heads, q_len, kv_len)
 
 
-def grouped_attention(
-    scores: torch.Tensor, mask: torch.Tensor | None, value: torch.Tensor, groups: int
-) -> torch.Tensor:  # fmt: skip
-    """softmax(scores + mask) @ V with GQA by KV head (no copy of V to H heads): (B, H, Tq, Tk) -> (B, H, Tq, D)."""
+def attention_probs(scores: torch.Tensor, mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """softmax(scores + mask) over the keys, in float32, returned in `dtype` (as transformers' eager attention)."""
     if mask is not None:
         scores = scores + mask
-    probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    return nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+
+
+def grouped_attention(probs: torch.Tensor, value: torch.Tensor, groups: int) -> torch.Tensor:
+    """probs @ V with GQA by KV head (no copy of V to H heads): (B, H, Tq, Tk) -> (B, H, Tq, D)."""
     batch, heads, q_len, kv_len = probs.shape
     kv_heads = heads // groups
     values = value.reshape(batch * kv_heads, kv_len, -1)
@@ -185,8 +234,16 @@ def grouped_attention(
 def softmax_attention(
     scores: torch.Tensor, mask: torch.Tensor | None, value: torch.Tensor, groups: int
 ) -> torch.Tensor:  # fmt: skip
-    """softmax(scores + mask) @ V with GQA; returns (B, T, H, D)."""
-    return grouped_attention(scores, mask, value, groups).transpose(1, 2)
+    """softmax(scores + mask) @ V with GQA; returns (B, T, H, D) (hfcompress fits LISA layers with it)."""
+    return grouped_attention(attention_probs(scores, mask, value.dtype), value, groups).transpose(1, 2)
+
+
+class LisaAttentionWeights(nn.Module):
+    """Identity on a layer's attention probabilities (B, H, Tq, Tk), called only for `output_attentions`: transformers'
+    output capturing records them with a forward hook on this class."""
+
+    def forward(self, probs: torch.Tensor) -> torch.Tensor:
+        return probs
 
 
 # Block-wise LISA scores: query rows per block (a block's scores stay in the CPU caches: 3-4x faster than whole rows
@@ -217,6 +274,7 @@ class LisaLlamaAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=bias)
+        self.attention_weights = LisaAttentionWeights()
 
     def forward(
         self,
@@ -226,8 +284,11 @@ class LisaLlamaAttention(nn.Module):
         additive_mask: torch.Tensor | None,
         cache: Cache | None = None,
         handoff: str | None = None,
-        **kwargs,
+        output_attentions: bool = False,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | tuple | None]:
+        """(output, what it hands to the next layer). `additive_mask` is the mask of materialised scores (`score_mask`),
+        `attention_mask` the backend's."""
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
@@ -239,13 +300,17 @@ class LisaLlamaAttention(nn.Module):
             key, value = cache.update(key, value, self.layer_idx)
 
         q_len, kv_len = query.shape[2], key.shape[2]
-        if handoff == "scores" or (handoff and q_len == 1):
-            # decode (or materialised scores on request): the score row is computed once, for this layer's own
-            # softmax and for the next layer (cheaper than the next layer re-reading the whole key cache); GQA by KV
-            # head, so the caches are not copied to H heads
-            passed = grouped_scores(query * self.scaling, key)
-            mask = block_mask(additive_mask, 0, q_len, kv_len, kv_len - q_len, passed.dtype, passed.device)
-            attn_output = softmax_attention(passed, mask, value, self.num_key_value_groups)
+        if handoff == "scores" or (handoff and q_len == 1) or output_attentions:
+            # decode (or materialised scores on request, or output_attentions): the score row is computed once, for
+            # this layer's own softmax and for the next layer (cheaper than the next layer re-reading the whole key
+            # cache); GQA by KV head, so the caches are not copied to H heads
+            scores = grouped_scores(query * self.scaling, key)
+            mask = block_mask(additive_mask, 0, q_len, kv_len, kv_len - q_len, scores.dtype, scores.device)
+            probs = attention_probs(scores, mask, value.dtype)
+            if output_attentions:
+                self.attention_weights(probs)
+            attn_output = grouped_attention(probs, value, self.num_key_value_groups).transpose(1, 2)
+            passed = scores if handoff else None
         else:
             # the next LISA layer recomputes what it needs from this layer's (scaled query, key) features
             passed = (query * self.scaling, key) if handoff else None
@@ -295,6 +360,7 @@ class LisaSharedAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         self.sparse = align == "sparse"
         self.align = LisaSparseAlign(self.num_heads) if self.sparse else LisaHeadAlign(self.num_heads, align_hidden)
+        self.attention_weights = LisaAttentionWeights()
 
     def lowrank_qk(
         self, hidden_states: torch.Tensor, position_ids: torch.Tensor,
@@ -345,17 +411,20 @@ class LisaSharedAttention(nn.Module):
 
     def blockwise_attention(
         self, prev: torch.Tensor | tuple[torch.Tensor, torch.Tensor], q_lr: torch.Tensor, k_lr: torch.Tensor,
-        value: torch.Tensor, additive_mask: torch.Tensor | None, keep_scores: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-        """S_l and softmax(S_l) V a block of query rows at a time: besides the score tensors handed in and out (only
-        next to a dense layer), nothing larger than one block (B x H x rows x keys) is alive. A block's rows only see keys up to its last row (causal), so the
-        keys past it are skipped; a handed score tensor holds 0 there (never attended to)."""
+        value: torch.Tensor, additive_mask: torch.Tensor | None, keep_scores: bool, keep_probs: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+        """(output, scores or None, probabilities or None): S_l, its softmax and softmax(S_l) V a block of query rows
+        at a time. Besides the tensors handed in and out (scores next to a dense layer, probabilities for
+        output_attentions), nothing larger than one block (B x H x rows x keys) is alive. A block's rows only see
+        keys up to its last row (causal), so the keys past it are skipped; the handed tensors hold 0 there. With a
+        mask, kv_len - q_len is at least the number of cached keys (a static cache returns its unwritten slots too):
+        the blocks still see every key their rows may attend to, and the mask hides the rest."""
         batch, heads, q_len, _ = q_lr.shape
         kv_len = value.shape[2]
         past_len = kv_len - q_len
         rows = max(1, min(SCORE_BLOCK_ROWS, SCORE_BLOCK_ELEMENTS // (batch * heads * kv_len)))
 
-        def block(start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        def block(start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             kv_end = past_len + stop
             if isinstance(prev, tuple):  # recompute the previous layer's scores from its features
                 prev_block = grouped_scores(prev[0][:, :, start:stop], prev[1][:, :, :kv_end])
@@ -363,21 +432,25 @@ class LisaSharedAttention(nn.Module):
                 prev_block = prev[:, :, start:stop, :kv_end]
             scores = self.scores(prev_block, q_lr[:, :, start:stop], k_lr[:, :, :kv_end])
             mask = block_mask(additive_mask, start, stop, kv_end, past_len, scores.dtype, scores.device)
-            return scores, grouped_attention(scores, mask, value[:, :, :kv_end], self.num_key_value_groups)
+            probs = attention_probs(scores, mask, value.dtype)
+            return scores, probs, grouped_attention(probs, value[:, :, :kv_end], self.num_key_value_groups)
 
         if rows >= q_len:
-            scores, attn_output = block(0, q_len)
-            return attn_output.transpose(1, 2), scores if keep_scores else None
+            scores, probs, attn_output = block(0, q_len)
+            return attn_output.transpose(1, 2), scores if keep_scores else None, probs if keep_probs else None
         attn_output = value.new_empty(batch, q_len, heads, self.head_dim)
         handed = value.new_empty(batch, heads, q_len, kv_len) if keep_scores else None
+        weights = value.new_zeros(batch, heads, q_len, kv_len) if keep_probs else None
         for start in range(0, q_len, rows):
             stop = min(start + rows, q_len)
-            scores, block_output = block(start, stop)
+            scores, probs, block_output = block(start, stop)
             attn_output[:, start:stop] = block_output.transpose(1, 2)
             if handed is not None:
                 handed[:, :, start:stop, : past_len + stop] = scores
                 handed[:, :, start:stop, past_len + stop :] = 0
-        return attn_output, handed
+            if weights is not None:
+                weights[:, :, start:stop, : past_len + stop] = probs
+        return attn_output, handed, weights
 
     def forward(
         self,
@@ -388,30 +461,38 @@ class LisaSharedAttention(nn.Module):
         cache: Cache | None = None,
         handoff: str | None = None,
         lowrank_position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        output_attentions: bool = False,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | tuple | None]:
         """`prev` is the previous layer's scores, or its (scaled query, key) features. A layer that gets features and
-        has a sparse Align hands features on whatever `handoff` asks; otherwise it hands its scores (None: nothing)."""
+        has a sparse Align hands features on whatever `handoff` asks (scores with `output_attentions`, which the
+        features path never materialises); otherwise it hands its scores (None: nothing)."""
         input_shape = hidden_states.shape[:-1]
         q_lr, k_lr = self.lowrank_qk(hidden_states, position_ids, lowrank_position_embeddings)
         value = self.v_proj(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)
         if cache is not None:  # a LISA layer caches only its low-rank K and its V
             k_lr, value = cache.update(k_lr, value, self.layer_idx)
 
-        if self.sparse and isinstance(prev, tuple):
+        if self.sparse and isinstance(prev, tuple) and not output_attentions:
             attn_output, passed = self.feature_attention(prev, q_lr, k_lr, value, additive_mask, handoff)
+        # the fused kernel returns no probabilities; torch.compile traces the torch path (the launcher is not made for
+        # dynamo)
         elif (
             fused_lisa_decode is not None and not self.sparse and not isinstance(prev, tuple) and q_lr.shape[2] == 1
-            and triton_available(q_lr)
+            and not output_attentions and not torch.compiler.is_compiling() and triton_available(q_lr)
         ):  # fmt: skip
             attn_output, passed = fused_lisa_decode(self, prev, q_lr, k_lr, value, additive_mask)
         else:
-            attn_output, passed = self.blockwise_attention(prev, q_lr, k_lr, value, additive_mask, handoff is not None)
+            attn_output, passed, probs = self.blockwise_attention(
+                prev, q_lr, k_lr, value, additive_mask, handoff is not None, output_attentions
+            )
+            if output_attentions:
+                self.attention_weights(probs)
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         return self.o_proj(attn_output), passed
 
 
-class LisaLlamaDecoderLayer(nn.Module):
+class LisaLlamaDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: LisaLlamaConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
@@ -445,20 +526,25 @@ class LisaLlamaDecoderLayer(nn.Module):
         prev: torch.Tensor | tuple | None = None,
         handoff: str | None = None,
         lowrank_position_embeddings: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
-        **kwargs,
+        output_attentions: bool = False,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | tuple | None]:
-        """`lowrank_position_embeddings`: rank -> `lowrank_rotary` of `position_ids`, computed once for all layers."""
+        """(hidden states, what this layer hands to the next one). `lowrank_position_embeddings`: rank ->
+        `lowrank_rotary` of `position_ids`, computed once for all layers. Under gradient checkpointing `prev` is a
+        keyword argument, so only the non-reentrant checkpoint (transformers' default) sees it and its gradient."""
         residual = hidden_states
         normed = self.input_layernorm(hidden_states)
         if self.is_lisa:
             attn_out, passed = self.self_attn(
                 normed, position_ids, additive_mask, prev, cache=cache, handoff=handoff,
                 lowrank_position_embeddings=(lowrank_position_embeddings or {}).get(self.self_attn.rank),
+                output_attentions=output_attentions,
             )  # fmt: skip
         else:
             attn_out, passed = self.self_attn(
-                normed, position_embeddings, attention_mask, additive_mask, cache=cache, handoff=handoff, **kwargs
-            )
+                normed, position_embeddings, attention_mask, additive_mask, cache=cache, handoff=handoff,
+                output_attentions=output_attentions, **kwargs,
+            )  # fmt: skip
         hidden_states = residual + attn_out
         hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
         return hidden_states, passed
@@ -478,10 +564,26 @@ class LisaLlamaPreTrainedModel(PreTrainedModel):
     config_class = LisaLlamaConfig
     config: LisaLlamaConfig
     base_model_prefix = "model"
+    supports_gradient_checkpointing = True
     _no_split_modules = ["LisaLlamaDecoderLayer"]
     _supports_sdpa = True
     _supports_flash_attn = False  # LISA anchors need materialised logits; full layers still use the backend
-    _supports_attention_backend = True
+    _can_compile_fullgraph = True
+    # a LISA layer needs the previous layer's scores or (query, key) features: an external attention backend (vLLM's
+    # or TGI's Transformers backend) can hand neither
+    _supports_attention_backend = False
+    _can_record_outputs = {"hidden_states": LisaLlamaDecoderLayer, "attentions": LisaAttentionWeights}
+
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, **kwargs):
+        """Non-reentrant only (transformers' default, also when the kwargs leave it out): a layer gets the scores or
+        features of the layer below as a keyword argument, whose gradient a re-entrant checkpoint loses."""
+        activation_checkpointing_kwargs = {"use_reentrant": False, **(activation_checkpointing_kwargs or {})}
+        if activation_checkpointing_kwargs["use_reentrant"]:
+            raise ValueError(
+                "LisaLlama supports only non-reentrant activation checkpointing (use_reentrant=False): re-entrant "
+                "checkpointing loses the gradient through the scores a LISA layer reads from the layer below."
+            )
+        super().activation_checkpointing_enable(activation_checkpointing_kwargs, **kwargs)
 
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
@@ -506,8 +608,12 @@ class LisaLlamaModel(LisaLlamaPreTrainedModel):
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.handoffs = [handoff_to_next_layer(config, i) for i in range(config.num_hidden_layers)]
         self.lowrank_ranks = sorted({int(spec["rank"]) for spec in config.lisa_layers.values()})
+        self.gradient_checkpointing = False
         self.post_init()
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @merge_with_config_defaults
+    @capture_outputs
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -516,20 +622,18 @@ class LisaLlamaModel(LisaLlamaPreTrainedModel):
         cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
-        past_key_values: Cache | None = None,
-        **kwargs,
+        output_attentions: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPast:
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-        cache = cache if cache is not None else past_key_values
-        use_cache = self.config.use_cache if use_cache is None else use_cache
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
-        past_len = cache.get_seq_length() if cache is not None else 0
         batch, q_len = inputs_embeds.shape[:2]
         if position_ids is None:
+            past_len = cache.get_seq_length() if cache is not None else 0
             position_ids = (torch.arange(q_len, device=inputs_embeds.device) + past_len).unsqueeze(0)
         position_ids = position_ids.expand(batch, q_len)
 
@@ -540,14 +644,10 @@ class LisaLlamaModel(LisaLlamaPreTrainedModel):
             cache=cache,
             position_ids=position_ids,
         )
-        # LISA layers build causal masks block by block (or use SDPA's is_causal): a (T x T) mask only with padding
-        kv_len = past_len + q_len
-        padded = attention_mask is not None and (attention_mask.dim() != 2 or not attention_mask[:, -kv_len:].all())
+        output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
         additive_mask = None
-        if self.config.lisa_layers and padded:
-            additive_mask = additive_attention_mask(
-                attention_mask, batch, q_len, past_len, inputs_embeds.dtype, inputs_embeds.device
-            )
+        if self.config.lisa_layers or output_attentions:
+            additive_mask = score_mask(self.config, inputs_embeds, attention_mask, cache, position_ids, causal_mask)
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
@@ -566,6 +666,7 @@ class LisaLlamaModel(LisaLlamaPreTrainedModel):
                 prev=passed,
                 handoff=handoff,
                 lowrank_position_embeddings=lowrank_position_embeddings,
+                output_attentions=output_attentions,
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
@@ -582,6 +683,8 @@ class LisaLlamaForCausalLM(LisaLlamaPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -592,26 +695,25 @@ class LisaLlamaForCausalLM(LisaLlamaPreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
-        past_key_values: Cache | None = None,
-        return_dict: bool | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            cache=cache if cache is not None else past_key_values,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             **kwargs,
         )
-        hidden_states = outputs.last_hidden_state
-        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(hidden_states[:, keep, :])
+        logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=outputs.cache)
+        return CausalLMOutputWithPast(
+            loss=loss, logits=logits, cache=outputs.cache, hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )  # fmt: skip
 
 
 __all__ = ["LisaLlamaForCausalLM", "LisaLlamaModel", "LisaLlamaPreTrainedModel", "FascLinear"]

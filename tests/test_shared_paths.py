@@ -197,7 +197,8 @@ def test_full_layer_decode_row_equals_eager_attention():
     cache = modeling.DynamicCache(config=model.config)
     for idx in range(2):
         cache.update(key_cache, value_cache, idx)
-    mask = modeling.additive_attention_mask(torch.tensor([[1] * 7, [0, 0] + [1] * 5]), 2, 1, 6, torch.float32, x.device)
+    mask = torch.zeros(2, 1, 1, 7)
+    mask[1, :, :, :2] = torch.finfo(torch.float32).min  # the second row's first two keys are padding
     with torch.no_grad():
         out, row = attn(x, cos_sin, None, mask, cache=cache, handoff="scores")
         query = attn.q_proj(x).view(2, 1, 4, 16).transpose(1, 2)

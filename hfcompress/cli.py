@@ -102,6 +102,9 @@ def convert(
     distill_curve_tokens: int = typer.Option(
         DistillOptions.curve_tokens, help="Distillation: evaluation tokens per text at each learning-curve point."
     ),
+    distill_gradient_checkpointing: bool = typer.Option(
+        False, help="Distillation: recompute activations in the backward pass (less memory for long windows or big models, one more forward per step)."
+    ),
     calib_text: str = typer.Option("auto", help=f"Calibration text: {TEXT_HELP}; wikitext-2 reads its train split; auto: wikitext-2 when the Hub answers, else builtin."),
     eval_text: str = typer.Option("auto", help=f"Perplexity text: {TEXT_HELP}; wikitext-2 reads its test split; auto: wikitext-2 when the Hub answers, else the held-out last 25% of the calibration text."),
     ood_text: str = typer.Option(
@@ -173,6 +176,7 @@ def convert(
                 weight_lr=distill_weight_lr,
                 lora_rank=distill_lora_rank,
                 curve_tokens=distill_curve_tokens,
+                gradient_checkpointing=distill_gradient_checkpointing,
             ),
         ).validate()  # every value and combination, before any network or model work
         if layer_by_layer:
@@ -233,15 +237,28 @@ def evaluate(
     speed: bool = typer.Option(True, "--speed/--no-speed", help="Measure prefill/decode tokens/s side by side."),
     probe: bool = typer.Option(True, "--probe/--no-probe", help="Run the factual-recall probe."),
     trust_remote_code: bool = typer.Option(False, help="Needed for Hub ids: runs the modeling code the repo ships."),
+    lm_eval: str = typer.Option(None, "--lm-eval", help="lm-evaluation-harness tasks (comma-separated) to run on the converted model and the original (--baseline, or the source in the report); results go into the card."),
+    lm_eval_include: Path = typer.Option(None, help="A folder of lm-eval task YAML files (local, offline tasks)."),
+    lm_eval_batch_size: int = typer.Option(1, help="lm-eval batch size (recorded in the card)."),
+    lm_eval_fewshot: int = typer.Option(None, help="lm-eval few-shot examples (default: each task's own)."),
+    lm_eval_limit: float = typer.Option(None, help="lm-eval documents per task (below 1: a fraction); for quick checks only."),
     json_out: Path = typer.Option(None, "--json", help="Also write the results as JSON."),
 ) -> None:
-    """Perplexity, factual recall and speed of a converted model (and its baseline, same tokens, same run)."""
+    """Perplexity, factual recall, speed and lm-eval tasks of a converted model (and its baseline, same tokens, same run)."""
     import json
+    import shlex
 
     from .evaluate import evaluate as run_evaluate
+    from .harness import LmEvalOptions
 
     def action() -> None:
-        result = run_evaluate(model, baseline, eval_text, ood_text, context, stride, eval_tokens, speed, probe, trust_remote_code)
+        harness = None
+        if lm_eval is not None:  # lm-eval installed, tasks known: checked before any model loads
+            harness = LmEvalOptions.parse(lm_eval, lm_eval_include, lm_eval_batch_size, lm_eval_fewshot, lm_eval_limit)
+        command = shlex.join(["hfcompress", *sys.argv[1:]])
+        result = run_evaluate(
+            model, baseline, eval_text, ood_text, context, stride, eval_tokens, speed, probe, trust_remote_code, harness, command
+        )
         if json_out:
             json_out.write_text(json.dumps(result, indent=2))
 

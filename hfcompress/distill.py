@@ -49,6 +49,7 @@ class DistillOptions:
     weight_lr: float = 5e-5  # for FASC factors and LoRA adapters: full weight matrices diverge at the modules' rate
     lora_rank: int = 0  # LoRA (peft) on the frozen dense linears, merged before saving; 0 = only the new parameters
     curve_tokens: int = 2048  # evaluation tokens per text at each curve point (the final figure uses --eval-tokens)
+    gradient_checkpointing: bool = False  # recompute each layer's activations in backward: less memory, one more forward
 
     @property
     def budget(self) -> int:
@@ -206,6 +207,8 @@ def prepare_student(student: nn.Module, options: DistillOptions) -> nn.Module:
     student.requires_grad_(False)
     for _, p in trainable_parameters(student):
         p.requires_grad_(True)
+    if options.gradient_checkpointing:  # non-reentrant: the embeddings are frozen, so no input needs a gradient
+        student.activation_checkpointing_enable({"use_reentrant": False})
     if options.lora_rank:
         from peft import LoraConfig, get_peft_model
 
@@ -241,7 +244,8 @@ class Distillation(Finisher):
         return cls(distill)
 
     def settings(self) -> dict:
-        return asdict(self.options)
+        """What the trained weights depend on (the resumable state's key): checkpointing changes only memory and time."""
+        return {k: v for k, v in asdict(self.options).items() if k != "gradient_checkpointing"}
 
     def state_dir(self, work: Path) -> Path:
         return work / f"distill-{cache_key(self.settings())}"
@@ -251,6 +255,8 @@ class Distillation(Finisher):
         record = distill(student, teacher, data, self.options, self.state_dir(data.work))
         if self.options.lora_rank:
             student = student.merge_and_unload()
+        if self.options.gradient_checkpointing:
+            student.activation_checkpointing_disable()
         return student.eval().requires_grad_(False), record
 
 

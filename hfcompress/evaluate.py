@@ -1,15 +1,19 @@
-"""`hfcompress eval`: perplexity, factual probe and speed of a converted model, optionally beside a baseline."""
+"""`hfcompress eval`: perplexity, factual probe, speed and lm-eval tasks of a converted model, beside a baseline."""
 
 import json
 from pathlib import Path
 
 import torch
+from huggingface_hub import ModelCard
 from rich.table import Table
 
+from .card import write_card
 from .errors import HfcompressError
+from .harness import LmEvalOptions, run_lm_eval
 from .probe import run_probe
 from .progress import console
-from .source import load_source, resolve_source
+from .report import REPORT_FILE
+from .source import BUILTIN_SOURCE, ResolvedSource, load_source, resolve_source
 from .speed import compare_speed
 from .text import check_text_option, evaluation_ids, load_text, other_domain_ids
 from .validate import perplexity
@@ -44,17 +48,28 @@ def evaluate(
     speed: bool,
     probe: bool,
     trust_remote_code: bool,
+    lm_eval: LmEvalOptions | None = None,
+    command: str = "",
 ) -> dict:
     models = {}
     check_text_option(eval_text, "evaluation")  # a bad text option fails before any model loads
     check_text_option(ood_text, "other-domain")
-    converted, tokenizer = load_converted(model_name, trust_remote_code)
+    report_path = Path(model_name) / REPORT_FILE
+    saved_report = json.loads(report_path.read_text()) if report_path.is_file() else None
+    baseline_source = None
     if baseline:
-        models["baseline"], _ = load_source(resolve_source(baseline))
+        baseline_source = resolve_source(baseline)
+    elif lm_eval is not None and saved_report is not None:  # lm-eval always compares with the original
+        baseline_source = original_of(saved_report["source"])
+    elif lm_eval is not None:
+        raise HfcompressError(f"{model_name} is not a local hfcompress output: pass --baseline SOURCE to compare lm-eval results with.")
+    converted, tokenizer = load_converted(model_name, trust_remote_code)
+    baseline_tokenizer = None
+    if baseline_source is not None:
+        models["baseline"], baseline_tokenizer = load_source(baseline_source)
     models["model"] = converted
     ids, text_name = evaluation_ids(tokenizer, load_text(eval_text, "evaluation"))
-    report = Path(model_name) / "hfcompress_report.json"
-    calibration = json.loads(report.read_text())["calibration"]["text"] if report.is_file() else ""
+    calibration = saved_report["calibration"]["text"] if saved_report else ""
     other = other_domain_ids(tokenizer, ood_text, calibration)
     result: dict = {"eval_text": text_name, "other_domain_text": other[1] if other else None, "models": {}}
     for name, model in models.items():
@@ -74,6 +89,19 @@ def evaluate(
         for name, measured in compare_speed(models, prompt).items():
             result["models"][name]["speed"] = measured.to_dict()
         result["device"] = str(device)
+    if lm_eval is not None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        result["lm_eval"] = {
+            **run_lm_eval(
+                (model_name, converted, tokenizer), (baseline_source.name, models["baseline"], baseline_tokenizer), lm_eval, device
+            ),
+            "command": command,
+        }
+        if saved_report is not None:  # into the output's record and card, beside the conversion's own evidence
+            saved_report["lm_eval"] = result["lm_eval"]
+            report_path.write_text(json.dumps(saved_report, indent=2, default=str))
+            write_card(saved_report, ModelCard.load(Path(model_name) / "README.md").data.model_name or Path(model_name).name, Path(model_name))
+            console.log(f"lm-eval results written into {report_path} and {Path(model_name) / 'README.md'}")
 
     table = Table(title=f"hfcompress eval ({text_name}{'; other domain: ' + other[1] if other else ''})")
     for column in ("model", "perplexity", "other-domain perplexity", "probe", "prefill tok/s", "decode tok/s"):
@@ -88,4 +116,28 @@ def evaluate(
             f"{entry['speed']['decode_tokens_per_s']:.1f}" if "speed" in entry else "-",
         )
     console.print(table)
+    if lm_eval is not None:
+        console.print(lm_eval_table(result["lm_eval"]))
     return result
+
+
+def original_of(source: dict) -> ResolvedSource:
+    """The source a conversion recorded in its report, resolved again (a Hub source at the recorded commit)."""
+    if source["kind"] == "hub":
+        return resolve_source(source["repo_id"], revision=source.get("commit_sha") or source.get("revision"))
+    if source["name"] == BUILTIN_SOURCE:
+        return resolve_source(BUILTIN_SOURCE)
+    path = Path(source["path"]) / source["gguf_file"] if source.get("gguf_file") else Path(source["path"])
+    if not path.exists():
+        raise HfcompressError(f"The original model {path} recorded in the report is gone: pass --baseline SOURCE.")
+    return resolve_source(str(path))
+
+
+def lm_eval_table(section: dict) -> Table:
+    table = Table(title=f"lm-eval {section['lm_eval_version']} (batch size {section['settings']['batch_size']})")
+    for column in ("task", "metric", "original", "converted"):
+        table.add_column(column)
+    for row in section["rows"]:
+        original = "-" if row["original"] is None else f"{row['original']:.4g}"
+        table.add_row(row["task"], row["metric"], original, f"{row['converted']:.4g}")
+    return table

@@ -136,3 +136,23 @@ def _copy(model: nn.Module) -> nn.Module:
     import copy
 
     return copy.deepcopy(model)
+
+
+def test_gradient_checkpointing_trains_the_same_weights(models, tmp_path):
+    """`--distill-gradient-checkpointing` recomputes activations in backward: the same weights, only less memory."""
+    from copy import deepcopy
+    from dataclasses import replace
+
+    teacher, student, train_ids, eval_ids = models
+    checkpointed = deepcopy(student)
+    calls = []
+    for layer in checkpointed.model.layers:  # the recomputation really happens: each layer's first module runs twice
+        layer.input_layernorm.register_forward_hook(lambda *args: calls.append(1))
+    plain, _ = run_stage(student, teacher, train_ids, eval_ids, tmp_path / "plain")
+    options = replace(OPTIONS, gradient_checkpointing=True)
+    checkpointed, record = run_stage(checkpointed, teacher, train_ids, eval_ids, tmp_path / "checkpointed", options)
+    assert record["gradient_checkpointing"] and not checkpointed.is_activation_checkpointing
+    steps, layers = OPTIONS.steps, len(checkpointed.model.layers)
+    assert len(calls) >= 2 * steps * layers  # forward + recompute per step (plus the curve's forwards)
+    for (name, a), (_, b) in zip(plain.state_dict().items(), checkpointed.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)

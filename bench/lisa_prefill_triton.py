@@ -63,9 +63,9 @@ from .lisa_attention_triton import (  # noqa: F401 - decode names re-exported fo
     _sm_count,
     lisa_decode_triton,
     normalize_attn_mask,
+    tl,
     triton,
     triton_available,
-    tl,
 )
 from .lisa_kernels import _module_align_weights, fused_lisa_decode  # noqa: F401 - re-exported
 

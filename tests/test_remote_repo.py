@@ -13,11 +13,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny_models import save_tiny_llama
 from typer.testing import CliRunner
 
 from hfcompress.cli import app
 from hfcompress.remote import AUTO_MAP, remote_code_files
-from tiny_models import save_tiny_llama
 
 CONVERT = [
     "--max-ppl-increase", "1000", "--no-speed", "--no-probe", "--distill-tokens", "0",

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from huggingface_hub import ModelCard
 from typer.testing import CliRunner
 
 from hfcompress.cli import app
@@ -67,7 +68,7 @@ def test_hub_round_trip(tiny_llama_dir, hub_api, hub_env, local_hub, tmp_path):
     for needle in ("hfcompress", "custom_code", "perplexity", "trust_remote_code=True", target_repo,
                    f"base_model: {source_repo}", "base_model_relation: finetune"):
         assert needle in card
-    assert "model-index" not in card  # the built-in and news texts are not Hub datasets (tests/test_card.py)
+    assert not ModelCard(card).data.eval_results  # the built-in and news texts are not Hub datasets (tests/test_card.py)
 
     remote_files = set(local_hub.files(target_repo, "main"))
     assert {"config.json", "model.safetensors", "modeling_lisa_llama.py", "README.md", "tokenizer.json"} <= remote_files

@@ -232,7 +232,7 @@ def _online(monkeypatch, endpoint: str) -> None:
 
 
 def _probe_url(endpoint: str) -> str:
-    return f"{endpoint}/api/datasets/{WIKITEXT_REPO}"
+    return f"{endpoint}/api/datasets/{WIKITEXT_REPO}/revision/main"  # revision-qualified: what a mirror serves
 
 
 def test_auto_falls_back_fast_when_the_hub_is_unreachable(monkeypatch, log, hub_traffic):

@@ -16,7 +16,7 @@ import math
 import os
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -29,6 +29,7 @@ from .lisa import is_lisa_parameter
 from .methods import Finisher, register
 from .progress import console, training_bar
 from .stream import save_atomic
+from .text import prefixed
 from .validate import perplexity
 
 LORA_TARGETS = ("v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # dense linears every layer keeps
@@ -78,6 +79,7 @@ class DistillData:
     eval_context: int
     work: Path  # the conversion's work directory: the resumable state goes in a subdirectory
     seed: int
+    prefix: list[int] = field(default_factory=list)  # in front of every window: [BOS] or nothing (text.window_prefix)
 
 
 def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -89,7 +91,10 @@ def curve_perplexities(model: nn.Module, data: DistillData, tokens: int) -> dict
     model.eval()
     with torch.no_grad():
         result = {
-            name: perplexity(model, ids.to(next(model.parameters()).device), data.eval_context, max_tokens=tokens, label=f"distill: perplexity ({name})").perplexity
+            name: perplexity(
+                model, ids.to(next(model.parameters()).device), data.eval_context, max_tokens=tokens,
+                label=f"distill: perplexity ({name})", prefix=data.prefix,
+            ).perplexity
             for name, ids in data.evaluations.items()
         }
     model.train()
@@ -125,8 +130,9 @@ def distill(student: nn.Module, teacher: nn.Module, data: DistillData, options: 
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
     )
-    starts = window_starts(data.train_ids, options.seq_len, options.batch_size, steps, data.seed)
-    offsets = torch.arange(options.seq_len)
+    body = options.seq_len - len(data.prefix)  # text tokens per window after the prefix
+    starts = window_starts(data.train_ids, body, options.batch_size, steps, data.seed)
+    offsets = torch.arange(body)
     points = options.curve_points()
     state_file = state_dir / "state.pt"
     record = {
@@ -166,7 +172,7 @@ def distill(student: nn.Module, teacher: nn.Module, data: DistillData, options: 
     last_save = time.perf_counter()  # the first checkpoint comes CHECKPOINT_SECONDS after training starts
     with training_bar(steps * tokens_per_step, "distill: KL to the original", done=step * tokens_per_step) as advance:
         while step < steps:
-            ids = data.train_ids[starts[step][:, None] + offsets].to(device)
+            ids = prefixed(data.prefix, data.train_ids[starts[step][:, None] + offsets]).to(device)
             with torch.no_grad():
                 target = torch.log_softmax(teacher(ids, use_cache=False).logits.float(), dim=-1)
             logits = student(input_ids=ids, use_cache=False).logits.float()

@@ -15,7 +15,7 @@ from .progress import console
 from .report import REPORT_FILE
 from .source import BUILTIN_SOURCE, ResolvedSource, load_source, resolve_source
 from .speed import compare_speed
-from .text import check_text_option, evaluation_ids, load_text, other_domain_ids
+from .text import check_text_option, evaluation_ids, load_text, other_domain_ids, window_prefix
 from .validate import perplexity
 
 
@@ -69,14 +69,15 @@ def evaluate(
         models["baseline"], baseline_tokenizer = load_source(baseline_source)
     models["model"] = converted
     ids, text_name = evaluation_ids(tokenizer, load_text(eval_text, "evaluation"))
+    prefix = window_prefix(tokenizer)  # the windows convert scored: [BOS] first where the tokenizer adds one
     calibration = saved_report["calibration"]["text"] if saved_report else ""
     other = other_domain_ids(tokenizer, ood_text, calibration)
     result: dict = {"eval_text": text_name, "other_domain_text": other[1] if other else None, "models": {}}
     for name, model in models.items():
-        entry = {"perplexity": perplexity(model, ids, context, stride, eval_tokens, label=f"perplexity: {name}").to_dict()}
+        entry = {"perplexity": perplexity(model, ids, context, stride, eval_tokens, label=f"perplexity: {name}", prefix=prefix).to_dict()}
         if other:
             entry["other_domain_perplexity"] = perplexity(
-                model, other[0], context, stride, eval_tokens, label=f"perplexity: {name}, other domain"
+                model, other[0], context, stride, eval_tokens, label=f"perplexity: {name}, other domain", prefix=prefix
             ).to_dict()
         if probe:
             entry["probe"] = {k: v for k, v in run_probe(model, tokenizer).to_dict().items() if k != "per_fact"}

@@ -54,7 +54,7 @@ from .report import Report, Validation
 from .source import ResolvedSource, load_tokenizer, resolve_source, source_identity
 from .speed import hardware_description
 from .stream import LayerStream, Processes, save_atomic, token_nll
-from .text import chunk, hub_dataset, other_domain_ids, text_streams
+from .text import chunk, hub_dataset, other_domain_ids, prefixed, text_streams, window_prefix
 from .validate import PerplexityResult, verify_written
 from .wholemodel import WholeModelSteps
 
@@ -95,6 +95,7 @@ class TokenStreams:
     sequences: torch.Tensor  # (N, T) calibration sequences from its start
     selection_ids: torch.Tensor  # up to SELECTION_TOKENS calibration-text ids after the sequences
     evaluations: dict[str, torch.Tensor]  # held-out text name -> ids: the calibration domain first, then another domain
+    prefix: list[int]  # in front of every window: [BOS] where the tokenizer starts texts with it (text.window_prefix)
 
 
 def token_streams(options: ConvertOptions, tokenizer) -> TokenStreams:
@@ -102,26 +103,29 @@ def token_streams(options: ConvertOptions, tokenizer) -> TokenStreams:
     calib_ids, calib_name, eval_ids, eval_name = text_streams(
         tokenizer, options.calib_text, options.eval_text, calib_tokens + SELECTION_TOKENS + options.distill.budget
     )
-    sequences = chunk(calib_ids, options.seq_len, options.calib_sequences)
+    prefix = window_prefix(tokenizer)
+    sequences = prefixed(prefix, chunk(calib_ids, options.seq_len - len(prefix), options.calib_sequences))
     if len(sequences) < options.calib_sequences:
         console.log(
             f"[yellow]calibration: {calib_name} has {len(calib_ids):,} tokens, {len(sequences)} sequences of "
             f"{options.seq_len}, not the {options.calib_sequences} asked for: give a longer --calib-text to calibrate on more[/]"
         )
-    selection_ids = calib_ids[sequences.numel() : sequences.numel() + SELECTION_TOKENS]
+    used = len(sequences) * (options.seq_len - len(prefix))
+    selection_ids = calib_ids[used : used + SELECTION_TOKENS]
     evaluations = {eval_name: eval_ids}
     other = other_domain_ids(tokenizer, options.ood_text, calib_name)
     if other is not None:
         evaluations[other[1]] = other[0]
-    return TokenStreams(calib_ids, calib_name, sequences, selection_ids, evaluations)
+    return TokenStreams(calib_ids, calib_name, sequences, selection_ids, evaluations, prefix)
 
 
-def windows(ids: torch.Tensor, context: int, max_tokens: int | None = None) -> list[torch.Tensor]:
-    """Disjoint windows of `context` tokens, as validate.perplexity scores them with stride = context."""
+def windows(ids: torch.Tensor, context: int, max_tokens: int | None = None, prefix: list[int] = ()) -> list[torch.Tensor]:
+    """Disjoint windows of `context` tokens (`prefix`, then text), as validate.perplexity scores them by default."""
     ids = ids[:max_tokens] if max_tokens else ids
     if len(ids) < 2:
         raise HfcompressError("The evaluation text has fewer than two tokens.")
-    return [ids[begin : begin + context] for begin in range(0, max(1, len(ids) - 1), context)]
+    body = context - len(prefix)
+    return [prefixed(list(prefix), ids[begin : begin + body]) for begin in range(0, max(1, len(ids) - (0 if prefix else 1)), body)]
 
 
 @dataclass
@@ -147,6 +151,7 @@ class Run:
         self.device = resolve_device(options.device, self.processes.state.local_process_index)
         self.stream: LayerStream | None = None
         self.sequences: torch.Tensor | None = None  # this process's calibration sequences
+        self.prefix: list[int] = []  # in front of every window (TokenStreams.prefix)
         self.calib_dir: Path | None = None
         self.saved_dtype = torch.float32
 
@@ -289,7 +294,7 @@ def backward_pass(run: Run, methods: list[Method]) -> None:
 def new_evaluation(run: Run, ids: torch.Tensor, max_tokens: int | None) -> Evaluation:
     """This process's share of the windows of `ids`, embedded: the original's embeddings, and the converted model's
     as it will be saved (rounded to the saved dtype)."""
-    mine = windows(ids, run.options.eval_context, max_tokens)[run.processes.index :: run.processes.count]
+    mine = windows(ids, run.options.eval_context, max_tokens, run.prefix)[run.processes.index :: run.processes.count]
     batches = [w.unsqueeze(0) for w in mine]
     return Evaluation(mine, run.stream.embed(batches), run.stream.embed(batches, run.saved_dtype), [None] * len(mine))
 
@@ -412,6 +417,7 @@ def fetch(run: Run, methods: list[Method], token: str | None = None) -> Fetched:
     if len(sequences) % processes.count:
         raise HfcompressError(f"--calib-sequences {len(sequences)} must be a multiple of the {processes.count} processes.")
     run.saved_dtype = output_dtype(options.dtype, source, source_config)
+    run.prefix = streams.prefix
     run.stream = LayerStream(source_config, checkpoint, run.device)
     share = len(sequences) // processes.count
     run.sequences = sequences[processes.index * share : (processes.index + 1) * share]
@@ -462,7 +468,8 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> Report:
     plan = [(m.name, m.settings(), m.config_entries()) for m in active]  # what each method computes and chose
     fingerprints = [tensor_fingerprint(ids) for ids in texts.values()]
     work = run.calib_dir / f"convert-{cache_key(plan, str(run.saved_dtype), options.eval_tokens, options.eval_context, fingerprints)}"
-    probe_ids = eval_ids[: min(RELOAD_PROBE_TOKENS, len(eval_ids))].unsqueeze(0)  # long enough for RoPE errors to show
+    # long enough for RoPE errors to show
+    probe_ids = prefixed(run.prefix, eval_ids[: min(RELOAD_PROBE_TOKENS, len(eval_ids)) - len(run.prefix)]).unsqueeze(0)
     reload_probe = Evaluation([probe_ids[0]], run.stream.embed([probe_ids]), run.stream.embed([probe_ids], run.saved_dtype), [None])
     with run.step("convert"):
         *evaluations, reload_probe = convert_pass(
@@ -487,7 +494,7 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> Report:
 
     finished, probe, speed, layers_dir = {}, {}, None, work
     if processes.is_main:
-        distill_data = DistillData(streams.calib_ids, texts, options.eval_context, work, options.seed)
+        distill_data = DistillData(streams.calib_ids, texts, options.eval_context, work, options.seed, streams.prefix)
         results = whole.run(run, checkpoint, source_config, config, work, layer_files, tokenizer, distill_data, probe_ids)
         finished, probe, speed, layers_dir = results.finished, results.probe, results.speed, results.layers_dir
         if results.converted_perplexity:  # a finisher changed the weights: score the result again

@@ -258,7 +258,27 @@ class TokenSplit:
 
 
 def tokenize(tokenizer, text: str) -> torch.Tensor:
+    """The text's ids without special tokens: windows cut from them get `window_prefix` in front."""
     return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+
+def window_prefix(tokenizer) -> list[int]:
+    """[BOS] when the tokenizer starts every text with it (Gemma, Llama 3: models trained so treat the first position
+    as an attention sink, and score far worse without it), else [] (SmolLM2). Every window a model is calibrated,
+    scored or distilled on starts with this prefix."""
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return []
+    ids = tokenizer("a")["input_ids"]
+    return [bos] if ids and ids[0] == bos else []
+
+
+def prefixed(prefix: list[int], ids: torch.Tensor) -> torch.Tensor:
+    """`ids` (1-D, or 2-D rows) with `prefix` in front of each row."""
+    if not prefix:
+        return ids
+    head = torch.tensor(prefix, dtype=ids.dtype)
+    return torch.cat([head, ids]) if ids.dim() == 1 else torch.cat([head.expand(len(ids), -1), ids], dim=1)
 
 
 def tokenize_split(tokenizer, text: str, name: str) -> TokenSplit:

@@ -34,24 +34,29 @@ class PerplexityResult:
 @torch.no_grad()
 def perplexity(
     model: nn.Module, ids: torch.Tensor, context: int = 512, stride: int | None = None, max_tokens: int | None = None,
-    label: str = "perplexity",
+    label: str = "perplexity", prefix: list[int] | tuple = (),
 ) -> PerplexityResult:
-    """Strided perplexity: windows of `context` tokens advancing by `stride`; each token is scored once, with up
-    to `context - stride` tokens of left context (stride = context gives disjoint windows)."""
-    stride = stride or context
-    if not 0 < stride <= context:
-        raise HfcompressError(f"The perplexity stride must be in 1..context ({context}), got {stride}.")
+    """Strided perplexity: windows of `context` tokens (`prefix`, e.g. [BOS], then text) advancing by `stride`; each
+    text token is scored once, with up to `context - stride` tokens of left context (stride = context - len(prefix)
+    gives disjoint windows). Without a prefix a window's first token is context only; with one, it is scored too."""
+    body = context - len(prefix)
+    stride = stride or body
+    if not 0 < stride <= body:
+        less = f" (the context {context} less the BOS)" if prefix else ""
+        raise HfcompressError(f"The perplexity stride must be in 1..{body}{less}, got {stride}.")
     ids = ids[:max_tokens] if max_tokens else ids
     if len(ids) < 2:
         raise HfcompressError("The evaluation text has fewer than two tokens.")
-    total_nll, total_tokens, prev_end = 0.0, 0, 0
-    starts = list(range(0, max(1, len(ids) - 1), stride))
+    head = torch.tensor(list(prefix), dtype=ids.dtype, device=ids.device)
+    total_nll, total_tokens, prev_end = 0.0, 0, 0  # ids[prev_end:] are not scored yet
+    starts = list(range(0, max(1, len(ids) - (0 if prefix else 1)), stride))
     for begin in progress_bar(starts, label):
-        end = min(begin + context, len(ids))
-        window = ids[begin:end].unsqueeze(0)
+        end = min(begin + body, len(ids))
+        window = torch.cat([head, ids[begin:end]]).unsqueeze(0)
         logits = model(window, use_cache=False).logits[0, :-1].float()
-        nll = nn.functional.cross_entropy(logits, window[0, 1:], reduction="none")  # nll[t] predicts begin+1+t
-        new = nll[max(prev_end, begin + 1) - begin - 1 :]  # only tokens no earlier window scored
+        nll = nn.functional.cross_entropy(logits, window[0, 1:], reduction="none")
+        first = begin if prefix else begin + 1  # nll[t] predicts ids[first + t]
+        new = nll[max(prev_end, first) - first :]  # only tokens no earlier window scored
         total_nll += new.sum().item()
         total_tokens += new.numel()
         prev_end = end

@@ -136,7 +136,8 @@ class WholeModelSteps:
         results.layers_dir = finished
         for text, ids in data.evaluations.items():
             results.converted_perplexity[text] = perplexity(
-                student, ids.to(device), options.eval_context, max_tokens=options.eval_tokens, label=f"perplexity: distilled ({text.split(' (')[0]})"
+                student, ids.to(device), options.eval_context, max_tokens=options.eval_tokens,
+                label=f"perplexity: distilled ({text.split(' (')[0]})", prefix=data.prefix,
             )
         with torch.no_grad():
             results.expected_logits = student(probe_ids.to(device), use_cache=False).logits.float().cpu()

@@ -74,7 +74,8 @@ def in_memory_reference(tiny: Path, report: dict) -> dict:
 
     model, tokenizer = load_source(resolve_source(str(tiny)))
     calib_ids, _, eval_ids, _ = text_streams(tokenizer, "auto", "auto", 8 * 64 + pipeline.SELECTION_TOKENS)
-    sequences = chunk(calib_ids, 64, 8)
+    bos = [tokenizer.bos_token_id]  # the tiny tokenizer starts every text with <s>: so does every window
+    sequences = torch.cat([torch.tensor(bos).expand(8, 1), chunk(calib_ids, 63, 8)], dim=1)
     inputs = collect_attention_inputs(model, sequences)
     similarity = measure_similarity(model, inputs)
     options = SETTINGS["lisa"]
@@ -87,8 +88,8 @@ def in_memory_reference(tiny: Path, report: dict) -> dict:
     return {
         "layers": chosen,
         "ranks": [r.rank for r in results],
-        "original": perplexity(model, eval_ids, 512, max_tokens=512).perplexity,
-        "converted": perplexity(converted, eval_ids, 512, max_tokens=512).perplexity,
+        "original": perplexity(model, eval_ids, 512, max_tokens=512, prefix=bos).perplexity,
+        "converted": perplexity(converted, eval_ids, 512, max_tokens=512, prefix=bos).perplexity,
     }
 
 

@@ -5,6 +5,7 @@ one-sentence errors for bad values."""
 import inspect
 import io
 import json
+import math
 import os
 import socket
 import subprocess
@@ -15,6 +16,7 @@ from types import SimpleNamespace
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -100,6 +102,7 @@ def cli(args: list[str], env: dict) -> subprocess.CompletedProcess:
 
 LOAD_BOTH = """
 import json
+import math
 from hfcompress.text import load_text
 print(json.dumps({role: [t.name, t.text, t.held_out] for role in ("calibration", "evaluation") for t in [load_text(
     "wikitext-2", role)]}))
@@ -121,6 +124,7 @@ def test_wikitext2_loads_through_datasets(wikitext_hub, hub_env, mirror):
 
 LOAD_NAMED = """
 import json
+import math
 from hfcompress.text import load_text
 print(json.dumps({role: load_text("hf:Salesforce/wikitext:wikitext-2-raw-v1", role).name for role in ("calibration", "evaluation")}))
 """
@@ -310,3 +314,34 @@ def test_explicit_wikitext2_offline_without_a_cached_copy(tiny_llama_dir, tmp_pa
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: Cannot load {WIKITEXT_REPO} ({WIKITEXT_CONFIG}, train split):"), proc.stderr[-2000:]
+
+
+def test_windows_start_with_bos_where_the_tokenizer_starts_texts_with_it(tiny_llama_dir):
+    """Gemma and Llama 3 tokenizers put BOS first, and their models score far worse without it: every window then
+    starts with BOS, and every text token is scored exactly once (the first of each window too, predicted from BOS)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from hfcompress.pipeline import windows
+    from hfcompress.text import window_prefix
+    from hfcompress.validate import perplexity
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)  # its post-processor writes <s> first
+    assert window_prefix(tokenizer) == [tokenizer.bos_token_id] == [1]
+    tokenizer.bos_token = None
+    assert window_prefix(tokenizer) == []
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    )).eval()  # fmt: skip
+    ids = torch.randint(3, 64, (50,))
+    assert [len(w) for w in windows(ids, 16, prefix=[1])] == [16, 16, 16, 6] and all(w[0] == 1 for w in windows(ids, 16, prefix=[1]))
+    with torch.no_grad():
+        direct = sum(
+            -model(w[None]).logits[0, :-1].log_softmax(-1).gather(1, w[1:, None]).sum().item() for w in windows(ids, 16, prefix=[1])
+        )
+        disjoint = perplexity(model, ids, 16, prefix=[1])
+        strided = perplexity(model, ids, 16, stride=5, prefix=[1])
+        plain = perplexity(model, ids, 16)
+    assert disjoint.tokens == strided.tokens == 50 and disjoint.perplexity == pytest.approx(math.exp(direct / 50), rel=1e-6)
+    assert plain.tokens == 50 - 4  # without BOS, a window's first token is only context

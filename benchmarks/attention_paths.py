@@ -27,7 +27,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    modeling = import_remote("modeling_lisa_llama")
+    modeling = import_remote("lisa_attention")
     heads, kv_heads, dim, rank, tokens = 9, 3, 64, 6, args.tokens
     generator = torch.Generator().manual_seed(0)
 

@@ -1,3 +1,3 @@
-"""hfcompress: LISA attention sharing + FASC low-rank compression for Llama-family models on the Hub."""
+"""hfcompress: LISA attention sharing + FASC low-rank compression for Llama, Mistral, Qwen2 and Qwen3 models on the Hub."""
 
 __version__ = "0.1.0"

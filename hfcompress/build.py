@@ -1,5 +1,5 @@
-"""Step 5, build: a LisaLlamaForCausalLM from the original weights plus the fitted LISA and FASC modules, and
-the atomic write of the output directory (weights, config with auto_map, remote code, tokenizer, card, report).
+"""Step 5, build: a converted model (the family's LisaXxxForCausalLM) from the original weights plus the fitted LISA
+and FASC modules, and the atomic write of the output directory (weights, config with auto_map, remote code, tokenizer, card, report).
 """
 
 import errno
@@ -14,21 +14,23 @@ import torch
 from torch import nn
 
 from .errors import WRITE_FAILED_EXIT, HfcompressError
+from .families import family_for, family_of
 from .fasc import replace_linear
 from .lisa import FittedLayer, is_lisa_parameter, replace_qk
-from .remote import AUTO_MAP, lisa_classes, remote_code_files
+from .remote import remote_code_files
 
 
 def converted_config(original_config, entries: dict):
-    """The LisaLlamaConfig (with auto_map) of the original config plus the methods' entries (lisa_layers,
-    fasc_ranks, ...)."""
-    config_cls, _ = lisa_classes()
+    """The converted config of the original's family (LisaLlamaConfig, LisaQwen2Config, ..., with its auto_map) of
+    the original config plus the methods' entries (lisa_layers, fasc_ranks, ...)."""
+    family = family_of(original_config)
+    config_cls, _ = family.remote_classes()
     base = original_config.to_dict()
     for key in ("model_type", "architectures", "auto_map", "quantization_config", "transformers_version", *entries):
         base.pop(key, None)
     config = config_cls(**base, **entries)
-    config.architectures = ["LisaLlamaForCausalLM"]
-    config.auto_map = dict(AUTO_MAP)
+    config.architectures = [family.causal_lm_class]
+    config.auto_map = family.auto_map
     return config
 
 
@@ -66,10 +68,10 @@ def cast_floating(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def assemble(config, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32, cls=None) -> nn.Module:
-    """A model of `config` (LisaLlamaForCausalLM, or `cls`) holding exactly `state`, built on the meta device (no
-    random weights allocated); RoPE buffers computed afresh. Every tensor must be in `state`."""
+    """A model of `config` (its family's converted causal LM, or `cls`) holding exactly `state`, built on the meta
+    device (no random weights allocated); RoPE buffers computed afresh. Every tensor must be in `state`."""
     if cls is None:
-        _, cls = lisa_classes()
+        _, cls = family_of(config).remote_classes()
     with torch.device("meta"):
         model = cls(config)
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
@@ -103,7 +105,7 @@ def count_parameters(sizes: dict[str, int]) -> dict[str, int]:
     counts = {"total": 0, "attention_qk": 0, "attention_other": 0, "mlp": 0, "other": 0}
     for name, numel in sizes.items():
         counts["total"] += numel
-        if "q_proj" in name or "k_proj" in name or is_lisa_parameter(name):
+        if any(part in name for part in ("q_proj", "k_proj", "q_norm", "k_norm")) or is_lisa_parameter(name):
             counts["attention_qk"] += numel
         elif "self_attn" in name:
             counts["attention_other"] += numel
@@ -205,8 +207,9 @@ def save_companion_files(tokenizer, generation_config, directory: Path) -> None:
     _save_tokenizer(tokenizer, directory)
     if generation_config is not None:
         generation_config.save_pretrained(directory)
-    for file in remote_code_files():
-        shutil.copy2(file, directory / file.name)
     config = json.loads((directory / "config.json").read_text())
-    if config.get("auto_map") != AUTO_MAP:
+    auto_map = family_for(config["model_type"]).auto_map
+    for file in remote_code_files(auto_map):
+        shutil.copy2(file, directory / file.name)
+    if config.get("auto_map") != auto_map:
         raise HfcompressError("Internal error: config.json was saved without its auto_map.")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from .families import FAMILIES
 from .remote import cards_dir
 
 TEMPLATE = "model_card.md.j2"
@@ -219,6 +220,7 @@ def render_card(report: dict, repo_id: str) -> ModelCard:
     lm_eval = report.get("lm_eval")
     eval_results = _perplexity_results(texts) + (_lm_eval_results(lm_eval) if lm_eval else [])
     base_model = source.get("base_model")
+    family = FAMILIES[source.get("family", "llama")]  # reports from before the families are all Llama
     card_data = ModelCardData(
         base_model=base_model,
         base_model_relation=BASE_MODEL_RELATION if base_model else None,
@@ -230,7 +232,7 @@ def render_card(report: dict, repo_id: str) -> ModelCard:
         library_name="transformers",
         pipeline_tag="text-generation",
         tags=["hfcompress", *(["lisa"] if lisa["layers"] else []), *(["fasc"] if fasc_layers else []),
-              *(["distillation"] if distill else []), "custom_code", "llama"],
+              *(["distillation"] if distill else []), "custom_code", family.name],
         model_name=repo_id if eval_results else None,  # the model-index's name; without one it would be a YAML key
         eval_results=eval_results or None,
     )
@@ -241,6 +243,8 @@ def render_card(report: dict, repo_id: str) -> ModelCard:
         repo_id=repo_id,
         base_model_name=source["name"],
         base_model=base_model,
+        architecture=family.causal_lm_class,
+        modeling_file=f"{family.modeling_module}.py",
         gate_failed=not validation["gate_passed"],
         gate_message=validation["gate_message"],
         ppl_context=validation["converted"]["context"],

@@ -1,10 +1,10 @@
 """The source's tensors, read a group at a time, and the output's shards, written a tensor at a time.
 
 - `Checkpoint`: safetensors files (sharded or not) opened lazily; `load(names)` reads only those tensors.
-- `open_checkpoint`: any resolved source as a Checkpoint. A GGUF is dequantised once (by transformers' GGUF loader,
-  into its own Llama class) and cached as a float32 safetensors file, so every later step and rerun streams it like
-  any other checkpoint.
-- `check_checkpoint`: the Llama layout (names and shapes, from the model class on the meta device) and finite
+- `open_checkpoint`: any resolved source as a Checkpoint, with its config in its family's transformers class. A GGUF
+  is dequantised once (by transformers' GGUF loader, into the family's class) and cached as a float32 safetensors
+  file, so every later step and rerun streams it like any other checkpoint.
+- `check_checkpoint`: the family's layout (names and shapes, from its model class on the meta device) and finite
   values, tensor by tensor, before any compute.
 - `pack_shards`: the converted layer files concatenated into shards of at most --max-shard-size, with the index.
 """
@@ -17,6 +17,7 @@ import torch
 
 from .calibrate import cache_key
 from .errors import HfcompressError
+from .families import FAMILIES, family_of
 from .progress import console, progress_bar
 from .source import (
     ResolvedSource,
@@ -80,15 +81,15 @@ def gguf_cache_dir(source: ResolvedSource, cache_dir: Path) -> Path:
 
 
 def open_checkpoint(source: ResolvedSource, cache_dir: Path):
-    """(Checkpoint, source config) of a resolved source; a GGUF is dequantised into the cache on first use."""
-    from transformers import LlamaConfig
-
+    """(Checkpoint, source config in its family's config class) of a resolved source; a GGUF is dequantised into the
+    cache on first use."""
+    config_class, _ = FAMILIES[source.family].transformers_classes()
     if not source.gguf_file:
-        return Checkpoint(Path(source.path), source.name), LlamaConfig.from_pretrained(source.path)
+        return Checkpoint(Path(source.path), source.name), config_class.from_pretrained(source.path)
     directory = gguf_cache_dir(source, cache_dir)
     if not (directory / "config.json").is_file():
         dequantise_gguf(Path(source.path) / source.gguf_file, directory)
-    return Checkpoint(directory, source.name), LlamaConfig.from_pretrained(directory)
+    return Checkpoint(directory, source.name), config_class.from_pretrained(directory)
 
 
 def dequantise_gguf(path: Path, directory: Path) -> None:
@@ -102,7 +103,7 @@ def dequantise_gguf(path: Path, directory: Path) -> None:
     import numpy as np
     from gguf import GGUFReader, dequantize
     from safetensors.torch import save_file
-    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers import AutoConfig
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
         TensorProcessor,
@@ -118,8 +119,9 @@ def dequantise_gguf(path: Path, directory: Path) -> None:
     parsed["tensors"] = {}
     reader = GGUFReader(str(path))
     processor = TENSOR_PROCESSORS.get(read_field(reader, "general.architecture")[0], TensorProcessor)(config=parsed["config"])
+    _, causal_lm = family_of(config).transformers_classes()
     with torch.device("meta"):
-        mapping = get_gguf_hf_weights_map(LlamaForCausalLM(config), processor)
+        mapping = get_gguf_hf_weights_map(causal_lm(config), processor)
     tmp = directory.with_name(directory.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -151,11 +153,11 @@ def dequantise_gguf(path: Path, directory: Path) -> None:
 
 
 def expected_shapes(config) -> dict[str, list[int]]:
-    """Every tensor transformers' LlamaForCausalLM holds for `config`, with its shape (built on the meta device)."""
-    from transformers import LlamaForCausalLM
-
+    """Every tensor transformers' causal LM of the config's family holds for `config`, with its shape (built on the
+    meta device)."""
+    _, causal_lm = family_of(config).transformers_classes()
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = causal_lm(config)
     shapes = {k: list(v.shape) for k, v in model.state_dict().items()}
     if config.tie_word_embeddings:
         shapes.pop("lm_head.weight")
@@ -171,8 +173,8 @@ def check_checkpoint(checkpoint: Checkpoint, config) -> None:
     unexpected = sorted(set(found) - set(expected)) + sorted(k for k in set(found) & set(expected) if found[k] != expected[k])
     if missing or unexpected:
         raise HfcompressError(
-            f"The weights of {checkpoint.name} do not match the Llama layout (missing {missing[:3]}, unexpected or "
-            f"mismatched {unexpected[:3]}): it is an incomplete checkpoint or not a Llama model."
+            f"The weights of {checkpoint.name} do not match the {family_of(config).title} layout (missing {missing[:3]}, "
+            f"unexpected or mismatched {unexpected[:3]}): it is an incomplete checkpoint or not a {family_of(config).title} model."
         )
     for name in progress_bar(sorted(expected), "fetch: checking weights"):
         if not torch.isfinite(checkpoint.load([name])[name]).all():

@@ -12,7 +12,7 @@ from .lisa import DEFAULT_SHARE_RATIO, LisaOptions
 from .source import BUILTIN_SOURCE
 
 app = typer.Typer(
-    help="Convert Llama-family models into LisaLlama (LISA attention sharing + FASC low-rank), validate, push.",
+    help="Convert Llama, Mistral, Qwen2 and Qwen3 models (LISA attention sharing + FASC low-rank), validate, push.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
@@ -65,7 +65,7 @@ def convert(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
     force: bool = typer.Option(False, "--force", help="Push even when the perplexity gate failed."),
     trust_remote_code: bool = typer.Option(
-        False, help="Accept a source that declares custom code (auto_map) if it loads as a Llama; its code is never run."
+        False, help="Accept a source that declares custom code (auto_map) if it loads as a supported family (or as a Llama); its code is never run."
     ),
     max_ppl_increase: float = typer.Option(10.0, help="Quality gate: largest allowed perplexity increase, in percent."),
     share_ratio: float = typer.Option(
@@ -123,7 +123,7 @@ def convert(
         False, "--layer-by-layer", hidden=True, help="No effect: every conversion streams layer by layer."
     ),
 ) -> None:
-    """Convert SOURCE into a LisaLlama model, validate it, write --out and optionally push it."""
+    """Convert SOURCE into a LISA model of its family (LisaLlama, LisaQwen2, ...), validate it, write --out and optionally push it."""
     from .config import ConvertOptions
 
     def action() -> None:
@@ -206,7 +206,7 @@ def analyze(
     revision: str = typer.Option(None, help="Branch, tag or commit of a Hub source."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
     trust_remote_code: bool = typer.Option(
-        False, help="Accept a source that declares custom code (auto_map) if it loads as a Llama; its code is never run."
+        False, help="Accept a source that declares custom code (auto_map) if it loads as a supported family (or as a Llama); its code is never run."
     ),
 ) -> None:
     """Measure per-layer attention similarity (LISA) and optionally rho (FASC); cached for `convert`."""

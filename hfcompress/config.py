@@ -165,21 +165,25 @@ class ConvertOptions:
         return self
 
     def check_against_model(self, config) -> None:
-        """Checks that need the source's config (layer count, attention shapes); run before calibration."""
-        from .lisa import lowrank_rank
+        """Checks that need the source's config (layer count, attention types and shapes); run before calibration."""
+        from .build import converted_config
+        from .lisa import check_attention_types, lowrank_rank, shareable_layers
 
+        config = converted_config(config, {})  # the family's view: attention types per layer, head_dim
         layers = config.num_hidden_layers
+        shareable = shareable_layers(config.attention_types)
         if self.lisa.layers is not None:
             bad = [layer for layer in self.lisa.layers if not 0 < layer < layers]
             if bad:
                 raise HfcompressError(f"--lisa-layers {bad} are out of range: layers 1..{layers - 1} can be shared.")
+            check_attention_types(self.lisa.layers, shareable)
         elif self.lisa.ppl_budget is None:
             count = round(self.lisa.ratio * layers)
-            candidates = layers - max(1, self.lisa.protect_first)
+            candidates = sum(ok for layer, ok in shareable.items() if layer >= max(1, self.lisa.protect_first))
             if count > candidates:
                 raise HfcompressError(
-                    f"--share-ratio {self.lisa.ratio} asks for {count} shared layers but only {candidates} are "
-                    f"outside the {self.lisa.protect_first} protected shallow layers."
+                    f"--share-ratio {self.lisa.ratio} asks for {count} shared layers but only {candidates} are outside "
+                    f"the {self.lisa.protect_first} protected shallow layers and have the attention type of the layer below."
                 )
         if self.lisa.lowrank:
             lowrank_rank(config, self.lisa.qk_compression)

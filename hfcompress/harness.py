@@ -1,7 +1,7 @@
 """`hfcompress eval --lm-eval`: lm-evaluation-harness tasks on the original and the converted model, same settings.
 
 Both models run through lm-eval's own `hf` backend (HFLM), as `lm_eval --model hf` runs them: the converted one as users
-load it (`AutoModelForCausalLM` with `trust_remote_code=True`), the original with transformers' Llama classes (a
+load it (`AutoModelForCausalLM` with `trust_remote_code=True`), the original with transformers' classes of its family (a
 source's own code is never run).
 The results, with lm-eval's version and settings, go into the output's report and card (`report["lm_eval"]`).
 """

@@ -55,6 +55,7 @@ class LayerSimilarity:
     matching: list[int]  # matching[h] = head of layer-1 that head h resembles most
     head_js_best: list[float]  # per head of this layer, JS to its matched head
     aligned_output_error: float  # relative MSE of the attention output when scores = aligned previous scores
+    shareable: bool = True  # it has the attention type of the layer below (see `shareable_layers`)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -65,27 +66,29 @@ def rotary(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return model.model.rotary_emb(x, position_ids=positions)
 
 
-def causal_mask(seq_len: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
+def causal_mask(
+    seq_len: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", window: int | None = None
+) -> torch.Tensor:  # fmt: skip
+    """Additive (1, 1, T, T) causal mask; with a sliding `window`, each query sees only the last `window` positions
+    (itself included), as transformers' sliding-window mask."""
     allowed = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+    if window is not None:
+        allowed = allowed.triu(1 - window)
     return torch.zeros(1, 1, seq_len, seq_len, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 def full_attention_scores(attn: nn.Module, x: torch.Tensor, cos_sin) -> torch.Tensor:
-    """Pre-softmax scores (B, H, T, T) of an ordinary Llama attention module, GQA expanded."""
-    modeling = import_remote("modeling_lisa_llama")
-    shape = (*x.shape[:-1], -1, attn.head_dim)
-    q = attn.q_proj(x).view(shape).transpose(1, 2)
-    k = attn.k_proj(x).view(shape).transpose(1, 2)
-    q, k = modeling.apply_rotary_pos_emb(q, k, *cos_sin)
-    k = modeling.repeat_kv(k, attn.num_key_value_groups)
+    """Pre-softmax scores (B, H, T, T) of a converted model's full attention module (its biases and q/k norms
+    included), GQA expanded."""
+    q, k = attn.query_key(x, cos_sin)
+    k = import_remote("lisa_attention").repeat_kv(k, attn.num_key_value_groups)
     return torch.matmul(q, k.transpose(2, 3)) * attn.scaling
 
 
 def attention_output(attn: nn.Module, x: torch.Tensor, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """o_proj(softmax(scores + mask) V) for the module's own V and O projections."""
-    modeling = import_remote("modeling_lisa_llama")
     value = attn.v_proj(x).view(*x.shape[:-1], -1, attn.head_dim).transpose(1, 2)
-    out = modeling.softmax_attention(scores, mask, value, attn.num_key_value_groups)
+    out = import_remote("lisa_attention").softmax_attention(scores, mask, value, attn.num_key_value_groups)
     return attn.o_proj(out.reshape(*x.shape[:-1], -1))
 
 
@@ -135,16 +138,16 @@ SIMILARITY_SEQUENCES = 8  # calibration sequences the similarity is measured on
 
 @torch.no_grad()
 def layer_similarity(
-    idx: int, attn: nn.Module, x: torch.Tensor, cos_sin, previous: tuple[torch.Tensor, torch.Tensor] | None
-) -> tuple[LayerSimilarity | None, tuple[torch.Tensor, torch.Tensor]]:
-    """Similarity of layer `idx` (attention module, its inputs x) to the previous layer's (scores, probs), and
-    this layer's (scores, probs) for the next call; the first layer has nothing to compare with (None)."""
-    mask = causal_mask(x.shape[1], device=x.device)
+    idx: int, attn: nn.Module, x: torch.Tensor, cos_sin, previous: tuple[torch.Tensor, torch.Tensor, int | None] | None
+) -> tuple[LayerSimilarity | None, tuple[torch.Tensor, torch.Tensor, int | None]]:
+    """Similarity of layer `idx` (attention module, its inputs x) to the previous layer's (scores, probs, sliding
+    window), and this layer's for the next call; the first layer has nothing to compare with (None)."""
+    mask = causal_mask(x.shape[1], device=x.device, window=attn.sliding_window)
     scores = full_attention_scores(attn, x, cos_sin)
     probs = torch.softmax(scores + mask, dim=-1)
     if previous is None:
-        return None, (scores, probs)
-    prev_scores, prev_probs = previous
+        return None, (scores, probs, attn.sliding_window)
+    prev_scores, prev_probs, prev_window = previous
     js = js_matrix(probs, prev_probs)
     matching = js.argmin(dim=1).tolist()
     aligned = torch.einsum("hg,bgij->bhij", alignment_mix(scores, prev_scores, matching), prev_scores)
@@ -155,15 +158,25 @@ def layer_similarity(
         matching=matching,
         head_js_best=js.min(dim=1).values.tolist(),
         aligned_output_error=relative_error(attention_output(attn, x, aligned, mask), attention_output(attn, x, scores, mask)),
+        shareable=attn.sliding_window == prev_window,
     )
-    return similarity, (scores, probs)
+    return similarity, (scores, probs, attn.sliding_window)
+
+
+def in_converted_classes(model: nn.Module) -> nn.Module:
+    """The original model in its family's converted classes, converting nothing (sharing the original's tensors)."""
+    from .build import build_converted_model
+
+    return build_converted_model(model, [], {})
 
 
 @torch.no_grad()
 def measure_similarity(
     model: nn.Module, attn_inputs: list[torch.Tensor], max_sequences: int = SIMILARITY_SEQUENCES
 ) -> list[LayerSimilarity]:
-    """Attention similarity of every layer to the previous one on calibration inputs."""
+    """Attention similarity of every layer to the previous one on calibration inputs (`model`: the original in
+    transformers' classes)."""
+    model = in_converted_classes(model)
     layers = model.model.layers
     cos_sin = rotary(model, attn_inputs[0][:1])
     previous, result = None, []
@@ -181,6 +194,7 @@ def select_layers(similarity: list[LayerSimilarity], num_layers: int, options: L
         bad = [l for l in options.layers if not 0 < l < num_layers]
         if bad:
             raise HfcompressError(f"--lisa-layers {bad} are out of range: layers 1..{num_layers - 1} can be shared.")
+        check_attention_types(options.layers, {s.layer: s.shareable for s in similarity})
         return sorted(set(options.layers))
     if not 0.0 <= options.ratio < 1.0:
         raise HfcompressError(f"--share-ratio must be in [0, 1), got {options.ratio}.")
@@ -188,15 +202,38 @@ def select_layers(similarity: list[LayerSimilarity], num_layers: int, options: L
     candidates = ranked_candidates(similarity, options)
     if count > len(candidates):
         raise HfcompressError(
-            f"--share-ratio {options.ratio} asks for {count} shared layers but only {len(candidates)} "
-            f"are outside the {options.protect_first} protected shallow layers."
+            f"--share-ratio {options.ratio} asks for {count} shared layers but only {len(candidates)} are outside "
+            f"the {options.protect_first} protected shallow layers and have the attention type of the layer below."
         )
     return sorted(candidates[:count])
 
 
+# Sharing across attention types: a shared layer reads the scores of the layer below over the keys that layer sees and
+# caches what that layer's cache keeps; a sliding-window layer and a full-attention one see (and keep) different keys.
+# So a layer is shared only when the layer below has its attention type; the ratio and the perplexity search skip the
+# others, and --lisa-layers naming one is refused.
+
+
+def shareable_layers(attention_types: list[str]) -> dict[int, bool]:
+    """Layer (1..L-1) -> whether it has the attention type of the layer below."""
+    return {i: attention_types[i] == attention_types[i - 1] for i in range(1, len(attention_types))}
+
+
+def check_attention_types(layers: list[int], shareable: dict[int, bool]) -> None:
+    """Refuse explicit shared layers whose layer below has another attention type (`shareable`: layer -> bool)."""
+    bad = sorted({layer for layer in layers if not shareable[layer]})
+    if bad:
+        raise HfcompressError(
+            f"--lisa-layers {bad} cannot be shared: a shared layer reuses the attention of the layer below, and "
+            f"{'these layers have' if len(bad) > 1 else 'this layer has'} another attention type (sliding window or "
+            "full) than the layer below."
+        )
+
+
 def ranked_candidates(similarity: list[LayerSimilarity], options: LisaOptions) -> list[int]:
-    """Layers outside the protected shallow ones, best reproduced by the aligned previous layer first."""
-    candidates = [s for s in similarity if s.layer >= max(1, options.protect_first)]
+    """Layers outside the protected shallow ones that have the attention type of the layer below, best reproduced by
+    the aligned previous layer first."""
+    candidates = [s for s in similarity if s.layer >= max(1, options.protect_first) and s.shareable]
     return [s.layer for s in sorted(candidates, key=lambda s: s.aligned_output_error)]
 
 
@@ -270,10 +307,9 @@ def fit_shared_layer(
     """Train Align + low-rank Q/K of one shared layer (original attention module `original`, its calibration inputs
     x, the converted layer below's scores) on x's device; returns the module and its fit record."""
     start = time.perf_counter()
-    modeling = import_remote("modeling_lisa_llama")
     align = "dense" if options.align == "dense" else "sparse"  # identity = a sparse Align that stays the identity
     align_hidden = options.align_hidden if align == "dense" else 0
-    module = modeling.LisaSharedAttention(config, layer_idx, rank, align_hidden, align)
+    module = import_remote("lisa_attention").LisaSharedAttention(config, layer_idx, rank, align_hidden, align)
     module.v_proj.load_state_dict(original.v_proj.state_dict())
     module.o_proj.load_state_dict(original.o_proj.state_dict())
     module.v_proj.requires_grad_(False)
@@ -292,7 +328,7 @@ def fit_shared_layer(
     module.to(x.device)
 
     seq_len = x.shape[1]
-    mask = causal_mask(seq_len, device=x.device)
+    mask = causal_mask(seq_len, device=x.device, window=original.sliding_window)
     positions = torch.arange(seq_len, device=x.device).unsqueeze(0)
     with torch.no_grad():
         target = torch.cat(
@@ -350,8 +386,9 @@ def fit_shared_layer(
 
 def shared_attention(config, record: FittedLayer, device: torch.device | str = "cpu") -> nn.Module:
     """The LisaSharedAttention module of a fit record (weights from `record.state`), in eval mode."""
-    modeling = import_remote("modeling_lisa_llama")
-    module = modeling.LisaSharedAttention(config, record.layer, record.rank, record.align_hidden, record.align)
+    module = import_remote("lisa_attention").LisaSharedAttention(
+        config, record.layer, record.rank, record.align_hidden, record.align
+    )
     module.load_state_dict(record.state)
     return module.to(device).requires_grad_(False).eval()
 
@@ -376,10 +413,11 @@ def fit_lisa(
     similarity: list[LayerSimilarity],
     options: LisaOptions,
 ) -> list[FittedLayer]:
-    """In memory (research scripts, tests): fit every chosen layer of a loaded model in depth order, anchoring each
-    on the converted layers below it, as LisaMethod does layer by layer in the pipeline."""
+    """In memory (research scripts, tests): fit every chosen layer of a loaded model (transformers' classes) in depth
+    order, anchoring each on the converted layers below it, as LisaMethod does layer by layer in the pipeline."""
     if not chosen:
         return []
+    model = in_converted_classes(model)
     rank = lowrank_rank(model.config, options.qk_compression) if options.lowrank else 0
     matching = {s.layer: s.matching for s in similarity}
     layers = model.model.layers
@@ -404,7 +442,8 @@ def fit_lisa(
 
 # ------------------------------------------------------------------------------------------- the pipeline unit
 PARAMETER_MARKERS = ("q_lowrank", "k_lowrank", ".align.")  # names of a shared layer's new (trainable) parameters
-REPLACED = ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")  # what a shared layer drops
+# what a shared layer drops: q/k with their biases, and the per-head q/k norms of the families that have them (Qwen3)
+REPLACED = ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias", "q_norm.weight", "k_norm.weight")
 
 
 def is_lisa_parameter(name: str) -> bool:
@@ -440,7 +479,7 @@ class LisaMethod(Method):
         self.records: list[FittedLayer] = []  # fit records of the layers converted so far (weights dropped)
         self.qk_params: list[int] = []
         self.prev_scores: torch.Tensor | None = None  # converted scores of the layer below, on calibration inputs
-        self._previous: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._previous: tuple[int, tuple[torch.Tensor, torch.Tensor, int | None]] | None = None
         self.similarity: list[LayerSimilarity] = []
 
     @classmethod

@@ -31,7 +31,7 @@ class LayerContext:
 
     index: int
     num_layers: int
-    layer: nn.Module  # the original decoder layer (LisaLlama classes, float32, on `device`), frozen
+    layer: nn.Module  # the original decoder layer (its family's converted classes, float32, on `device`), frozen
     device: torch.device
     attention_input: Callable[[], torch.Tensor]  # every process's calibration inputs of self_attn, (N, T, d), lazily
     cos_sin: Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # RoPE (cos, sin) for a sequence length, on device
@@ -43,7 +43,7 @@ class LayerContext:
 class Planner:
     """What a method's plan step may use: the model's config and a scorer of candidate plans."""
 
-    config: Any  # the original model's config in the converted classes (a LisaLlamaConfig converting nothing)
+    config: Any  # the original model's config in the converted classes (e.g. a LisaLlamaConfig converting nothing)
     num_layers: int
     # perplexity of the streamed conversion by `methods` alone, on calibration text the fits never saw
     selection_perplexity: Callable[[list["Method"]], float] | None = None

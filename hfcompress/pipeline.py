@@ -324,7 +324,7 @@ def convert_pass(run: Run, methods: list[Method], evaluations: list[Evaluation],
         if work is not None and processes.is_main:
             save_tensors(tensors, work / f"layer-{idx:05d}.safetensors")
         converted = stream.build(config, idx, tensors)  # validated as saved: rounded to the saved dtype
-        handoff = stream.modeling.handoff_to_next_layer(config, idx)
+        handoff = stream.handoff(config, idx)
         with torch.no_grad():
             for evaluation in evaluations:
                 for i, hidden_state in enumerate(evaluation.original):

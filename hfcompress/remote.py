@@ -3,7 +3,7 @@
 In a wheel they live under `hfcompress/remote_code/`; in a source checkout they are the top-level folders. The
 files use flat relative imports (that is how transformers loads remote code), so in-process they are imported
 as one synthetic package whose search path spans both folders. Only the files the model imports ship: the modules
-named in `AUTO_MAP` and, transitively, every module they import relatively (`remote_code_files`).
+named in the family's auto_map and, transitively, every module they import relatively (`remote_code_files`).
 """
 
 import ast
@@ -50,12 +50,13 @@ def _relative_imports(path: Path) -> list[str]:
     return names
 
 
-def remote_code_files() -> list[Path]:
-    """Every file that is copied flat into a converted model's repo: the modules named in `AUTO_MAP` and those they
-    import relatively, transitively (modeling/ first, then kernels/). Nothing the model never imports ships."""
+def remote_code_files(auto_map: dict[str, str]) -> list[Path]:
+    """Every file that is copied flat into a converted model's repo: the modules named in `auto_map` (a family's) and
+    those they import relatively, transitively (modeling/ first, then kernels/). Nothing the model never imports
+    ships."""
     folders = [modeling_dir(), kernels_dir()]
     found: dict[str, Path] = {}
-    pending = sorted({ref.split(".")[0] for ref in AUTO_MAP.values()})
+    pending = sorted({ref.split(".")[0] for ref in auto_map.values()})
     while pending:
         module = pending.pop()
         if module in found:
@@ -81,17 +82,3 @@ def import_remote(module: str) -> ModuleType:
     """Import one remote-code module, e.g. `import_remote("modeling_lisa_llama")`."""
     _package()
     return importlib.import_module(f"{PACKAGE_NAME}.{module}")
-
-
-def lisa_classes():
-    """(LisaLlamaConfig, LisaLlamaForCausalLM) from the remote-code files."""
-    config_module = import_remote("configuration_lisa_llama")
-    modeling_module = import_remote("modeling_lisa_llama")
-    return config_module.LisaLlamaConfig, modeling_module.LisaLlamaForCausalLM
-
-
-AUTO_MAP = {
-    "AutoConfig": "configuration_lisa_llama.LisaLlamaConfig",
-    "AutoModel": "modeling_lisa_llama.LisaLlamaModel",  # vLLM's Transformers backend loads the base model
-    "AutoModelForCausalLM": "modeling_lisa_llama.LisaLlamaForCausalLM",
-}

@@ -1,10 +1,12 @@
 """Step 1, fetch: resolve SOURCE (Hub id, local directory, .gguf file or the built-in model) and load it.
 
-Source models are always loaded with transformers' own Llama classes: Python code shipped inside a source repo is
-never downloaded nor executed, with or without --trust-remote-code. A source that declares custom code (an
-`auto_map` in config.json or tokenizer_config.json) is refused unless --trust-remote-code is given; with it, the
-source is converted as a Llama model if its config has the Llama fields and its safetensors hold exactly the Llama
-tensors (checked at load), and its tokenizer is read from tokenizer.json by the built-in fast tokenizer class.
+Source models are always loaded with transformers' own classes of their family (`families/`: Llama, Mistral, Qwen2,
+Qwen3, chosen by the config's `model_type`): Python code shipped inside a source repo is never downloaded nor
+executed, with or without --trust-remote-code. A source that declares custom code (an `auto_map` in config.json or
+tokenizer_config.json) is refused unless --trust-remote-code is given; with it, a source of a supported model_type is
+converted as that family, and one of another model_type as a Llama model if its config has the Llama fields; its
+safetensors must hold exactly the family's tensors (checked at load), and its tokenizer is read from tokenizer.json by
+the built-in fast tokenizer class.
 
 A Hub source is fetched with only the revision-qualified requests huggingface_hub's own downloads make (model info
 at the branch, tag or commit, then the tree and the files at the commit it resolved), so a mirror that serves just
@@ -26,15 +28,15 @@ import httpx2  # huggingface_hub's HTTP client library: its TransportError is "n
 import torch
 
 from .errors import WRITE_FAILED_EXIT, HfcompressError
+from .families import FAMILIES, SUPPORTED_GGUF_ARCHITECTURES, SUPPORTED_MODEL_TYPES, Family, family_for, supported
 from .hub import configure_http, describe, http_timeout, status_code, with_retries
 from .progress import console
 
 BUILTIN_SOURCE = "smollm2-135m-instruct"
 BUILTIN_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUILTIN_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the GGUF was quantised from
-SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM"}
-# What a custom-code config must still define to be loaded as a Llama model under --trust-remote-code.
-LLAMA_CONFIG_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+# The family a custom-code source of an unknown model_type is converted as, when its config has that family's fields.
+CUSTOM_CODE_FAMILY = FAMILIES["llama"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 
@@ -51,7 +53,7 @@ LICENCE_PATTERNS = [
     for prefix in LICENCE_FILE_PREFIXES
     for pattern in (prefix, f"{prefix}*.txt", f"{prefix}*.md", f"{prefix}*.rst")
 ]
-# Only what a Llama checkpoint needs, its model card and its licence: no *.bin pickles, no .pth, no source code.
+# Only what a checkpoint needs, its model card and its licence: no *.bin pickles, no .pth, no source code.
 HUB_ALLOW_PATTERNS = [
     "config.json",
     "generation_config.json",
@@ -63,8 +65,6 @@ HUB_ALLOW_PATTERNS = [
     "README.md",
     *LICENCE_PATTERNS,
 ]
-# GGUF `general.architecture` values hfcompress converts (llama.cpp writes "llama" for Llama-family models).
-SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
 
 
 @dataclass
@@ -80,6 +80,7 @@ class ResolvedSource:
     commit_sha: str | None = None
     base_model: str | None = None  # Hub id for the card's base_model, when known
     custom_code: bool = False  # the source declares custom code (auto_map); accepted only with --trust-remote-code
+    family: str = "llama"  # its model family (families.FAMILIES), from its config's model_type
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -105,24 +106,33 @@ def _builtin_gguf() -> Path:
     return path
 
 
-def _check_architecture(config: dict, tokenizer_config: dict, where: str, trust_remote_code: bool) -> bool:
-    """Refuse what hfcompress cannot convert; returns whether the source declares custom code."""
+def _check_architecture(config: dict, tokenizer_config: dict, where: str, trust_remote_code: bool) -> tuple[bool, Family]:
+    """Refuse what hfcompress cannot convert; returns whether the source declares custom code, and its family."""
     declared = (("config.json", config), ("tokenizer_config.json", tokenizer_config))
     custom = [name for name, cfg in declared if "auto_map" in cfg]
     if custom and not trust_remote_code:
         raise HfcompressError(
             f"{where} ships its own Python code (auto_map in {' and '.join(custom)}), which hfcompress never runs: "
-            "pass --trust-remote-code to convert it anyway with transformers' built-in Llama classes."
+            "pass --trust-remote-code to convert it anyway with transformers' built-in classes of its family."
         )
     model_type = config.get("model_type")
-    llama_like = "auto_map" in config and all(field in config for field in LLAMA_CONFIG_FIELDS)
-    if model_type not in SUPPORTED_MODEL_TYPES and not (trust_remote_code and llama_like):
-        supported = ", ".join(f"{t} ({a})" for t, a in SUPPORTED_MODEL_TYPES.items())
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        # a custom-code source of another model_type is converted as Llama when its config has Llama's fields
+        llama_like = "auto_map" in config and all(field in config for field in CUSTOM_CODE_FAMILY.required_fields)
+        if not (trust_remote_code and llama_like):
+            raise HfcompressError(
+                f"{where} is a '{model_type}' model ({', '.join(config.get('architectures') or ['unknown'])}); "
+                f"hfcompress supports only: {supported()}."
+            )
+        return bool(custom), CUSTOM_CODE_FAMILY
+    family = family_for(model_type)
+    missing = [field for field in family.required_fields if field not in config]
+    if missing:  # transformers would fill them with its defaults: another model's shapes
         raise HfcompressError(
-            f"{where} is a '{model_type}' model ({', '.join(config.get('architectures') or ['unknown'])}); "
-            f"hfcompress supports only: {supported}."
+            f"The config.json of {where} lacks {', '.join(missing)}, which every {family.title} config defines: use "
+            "the config.json of the original model."
         )
-    return bool(custom)
+    return bool(custom), family
 
 
 def _read_json(path: Path) -> dict:
@@ -146,14 +156,14 @@ def _resolve_local_dir(path: Path, name: str, trust_remote_code: bool) -> Resolv
     if not config_path.is_file():
         raise HfcompressError(f"{path} has no config.json: point SOURCE at a saved transformers model directory.")
     tokenizer_config = path / "tokenizer_config.json"
-    custom = _check_architecture(
+    custom, family = _check_architecture(
         _read_json(config_path), _read_json(tokenizer_config) if tokenizer_config.is_file() else {}, str(path),
         trust_remote_code,
     )
     if not any(path.glob("*.safetensors")):
         raise HfcompressError(f"{path} has no *.safetensors weights: save the model with safe_serialization=True.")
     _require_tokenizer({f.name for f in path.iterdir()}, str(path))
-    return ResolvedSource(kind="local", name=name, path=str(path), custom_code=custom)
+    return ResolvedSource(kind="local", name=name, path=str(path), custom_code=custom, family=family.name)
 
 
 # Sizes of the fixed-size GGUF value types (gguf's GGUFValueType numbering); 8 is a string, 9 an array.
@@ -238,8 +248,8 @@ def check_gguf_architecture(path: Path) -> None:
         supported = ", ".join(f"'{a}'" for a in SUPPORTED_GGUF_ARCHITECTURES)
         raise HfcompressError(
             f"{path} is a GGUF of architecture {architecture[:64]!r} (general.architecture in its header), but "
-            f"hfcompress converts only GGUF architecture {supported} (Llama models): pass a Llama GGUF, a Llama "
-            "model directory or a Hub id."
+            f"hfcompress converts only GGUF architecture {supported} (Llama models): pass a Llama GGUF, a model "
+            "directory or a Hub id."
         )
 
 
@@ -251,8 +261,8 @@ def _resolve_gguf(path: Path, name: str) -> ResolvedSource:
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     except Exception as err:  # gguf raises many types on a bad file
         raise HfcompressError(f"{path} is not a readable GGUF model ({type(err).__name__}: {err}).") from err
-    _check_architecture(config.to_dict(), {}, str(path), trust_remote_code=False)  # a GGUF holds no code
-    return ResolvedSource(kind="gguf", name=name, path=str(path.parent), gguf_file=path.name)
+    _, family = _check_architecture(config.to_dict(), {}, str(path), trust_remote_code=False)  # a GGUF holds no code
+    return ResolvedSource(kind="gguf", name=name, path=str(path.parent), gguf_file=path.name, family=family.name)
 
 
 def _resolve_hub(repo_id: str, revision: str | None, token: str | None, trust_remote_code: bool) -> ResolvedSource:
@@ -289,7 +299,7 @@ def _resolve_hub(repo_id: str, revision: str | None, token: str | None, trust_re
             if "tokenizer_config.json" in files
             else {}
         )
-        custom = _check_architecture(config, tokenizer_config, where, trust_remote_code)
+        custom, family = _check_architecture(config, tokenizer_config, where, trust_remote_code)
         if not any(f.endswith(".safetensors") for f in files):
             raise HfcompressError(f"{where} has no *.safetensors weights; hfcompress does not load pickles.")
         _require_tokenizer(files, where)
@@ -331,7 +341,7 @@ def _resolve_hub(repo_id: str, revision: str | None, token: str | None, trust_re
         ) from err
     return ResolvedSource(
         kind="hub", name=repo_id, path=path, repo_id=repo_id, revision=requested,
-        commit_sha=info.sha, base_model=repo_id, custom_code=custom,
+        commit_sha=info.sha, base_model=repo_id, custom_code=custom, family=family.name,
     )
 
 
@@ -374,7 +384,7 @@ def looks_like_repo_id(source: str) -> bool:
 def resolve_source(
     source: str, revision: str | None = None, token: str | None = None, trust_remote_code: bool = False
 ) -> ResolvedSource:
-    """Turn what the user typed into local files, downloading only what a Llama checkpoint needs."""
+    """Turn what the user typed into local files, downloading only what a checkpoint needs."""
     from huggingface_hub import constants
 
     if source == BUILTIN_SOURCE:
@@ -413,7 +423,7 @@ def _resolve_hub_offline(repo_id: str, revision: str | None, trust_remote_code: 
     local = _resolve_local_dir(Path(path), repo_id, trust_remote_code)
     return ResolvedSource(
         kind="hub", name=repo_id, path=path, repo_id=repo_id, revision=revision or "main",
-        commit_sha=Path(path).name, base_model=repo_id, custom_code=local.custom_code,
+        commit_sha=Path(path).name, base_model=repo_id, custom_code=local.custom_code, family=local.family,
     )
 
 
@@ -442,17 +452,18 @@ def _first_line(err: BaseException, limit: int = 200) -> str:
 
 
 def load_source(source: ResolvedSource, dtype: torch.dtype = torch.float32):
-    """(model, tokenizer) with transformers' LlamaForCausalLM in eval mode, weights as plain tensors.
+    """(model, tokenizer) with transformers' causal-LM class of the source's family (LlamaForCausalLM, ...) in eval
+    mode, weights as plain tensors.
 
-    Refuses weights that are corrupt or truncated, that miss or add tensors with respect to the Llama layout (which
+    Refuses weights that are corrupt or truncated, that miss or add tensors with respect to the family's layout (which
     transformers would otherwise fill with random values or silently drop), or that hold NaN/inf.
     """
-    from transformers import LlamaForCausalLM
-
+    family = FAMILIES[source.family]
+    _, causal_lm = family.transformers_classes()
     tokenizer = load_tokenizer(source)
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     try:
-        model, info = LlamaForCausalLM.from_pretrained(source.path, dtype=dtype, output_loading_info=True, **kwargs)
+        model, info = causal_lm.from_pretrained(source.path, dtype=dtype, output_loading_info=True, **kwargs)
     except Exception as err:  # safetensors / torch raise several types on corrupt files
         raise HfcompressError(
             f"The weights of {source.name} are corrupt or truncated ({type(err).__name__}: {_first_line(err)}): "
@@ -463,8 +474,8 @@ def load_source(source: ResolvedSource, dtype: torch.dtype = torch.float32):
     unexpected = sorted(info["unexpected_keys"]) + sorted(str(k) for k in info["mismatched_keys"])
     if missing or unexpected:
         raise HfcompressError(
-            f"The weights of {source.name} do not match the Llama layout (missing {missing[:3]}, unexpected or "
-            f"mismatched {unexpected[:3]}): it is an incomplete checkpoint or not a Llama model."
+            f"The weights of {source.name} do not match the {family.title} layout (missing {missing[:3]}, unexpected "
+            f"or mismatched {unexpected[:3]}): it is an incomplete checkpoint or not a {family.title} model."
         )
     for name, tensor in model.state_dict().items():
         if not torch.isfinite(tensor).all():

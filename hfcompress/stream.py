@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from .checkpoint import Checkpoint
+from .families import family_of
 from .lisa import causal_mask
 from .remote import import_remote
 
@@ -51,19 +52,23 @@ class Processes:
 
 
 class LayerStream:
-    """Builds decoder layers of the source (or of a converted config) from tensors and runs them on `device`."""
+    """Builds decoder layers of the source (or of a converted config) from tensors and runs them on `device`, in the
+    converted classes of the source's family."""
 
     def __init__(self, source_config, checkpoint: Checkpoint, device: torch.device, batch_size: int = 4) -> None:
-        self.modeling = import_remote("modeling_lisa_llama")
+        self.family = family_of(source_config)
+        self.modeling = self.family.modeling()
+        self.lisa_attention = import_remote("lisa_attention")
+        self.decoder_layer = getattr(self.modeling, self.family.decoder_layer_class)
         self.source_config = source_config
         self.checkpoint = checkpoint
         self.device = device
         self.batch_size = batch_size
-        self.config = self.layer_config({})  # the original model, in LisaLlama classes
+        self.config = self.layer_config({})  # the original model, in the converted classes
         self.num_layers = self.config.num_hidden_layers
-        self.rotary_emb = self.modeling.LlamaRotaryEmbedding(config=self.config).to(device)
+        self.rotary_emb = getattr(self.modeling, self.family.rotary_class)(config=self.config).to(device)
         with torch.device("meta"):
-            self.layer_keys = list(self.modeling.LisaLlamaDecoderLayer(self.config, 0).state_dict())
+            self.layer_keys = list(self.decoder_layer(self.config, 0).state_dict())
 
     def layer_config(self, entries: dict):
         """Converted config (methods' entries) for building layers here; SDPA reads the explicit additive mask."""
@@ -79,7 +84,7 @@ class LayerStream:
     def build(self, config, idx: int, state: dict[str, torch.Tensor]) -> nn.Module:
         """Decoder layer `idx` of `config` holding `state` (full key names), float32, on the device, frozen."""
         with torch.device("meta"):
-            layer = self.modeling.LisaLlamaDecoderLayer(config, idx)
+            layer = self.decoder_layer(config, idx)
         prefix = f"model.layers.{idx}."
         layer.load_state_dict({k.removeprefix(prefix): _working(v, self.device) for k, v in state.items()}, assign=True)
         return layer.eval().requires_grad_(False)
@@ -91,12 +96,17 @@ class LayerStream:
         positions = torch.arange(seq_len, device=self.device).unsqueeze(0)
         return self.rotary_emb(torch.zeros(1, seq_len, 1, device=self.device), position_ids=positions)
 
+    def handoff(self, config, idx: int) -> str | None:
+        """What layer `idx` of `config` hands to the next one at prefill (lisa_attention.handoff_to_next_layer)."""
+        return self.lisa_attention.handoff_to_next_layer(config, idx)
+
     def run(self, layer: nn.Module, hidden: torch.Tensor, prev=None, handoff: str | None = None):
         """(layer output, what it hands to the next layer) for sequences of one length, each batch onloaded to the
         device and the results returned where `hidden` lives. `prev` is what the layer below handed over: scores, or
-        a (query, key) tuple for a sparse Align. The explicit additive causal mask serves every attention backend."""
+        a (query, key) tuple for a sparse Align. The explicit additive causal mask (with the layer's sliding window)
+        serves every attention backend."""
         seq_len, home = hidden.shape[1], hidden.device
-        mask = causal_mask(seq_len, device=self.device)
+        mask = causal_mask(seq_len, device=self.device, window=layer.self_attn.sliding_window)
         cos_sin, positions = self.cos_sin(seq_len), torch.arange(seq_len, device=self.device).unsqueeze(0)
         outputs, passed = [], []
         for start in range(0, len(hidden), self.batch_size):
@@ -116,7 +126,7 @@ class LayerStream:
         tied = self.config.tie_word_embeddings
         names = ["model.norm.weight", "model.embed_tokens.weight" if tied else "lm_head.weight"]
         tensors = {k: _rounded(v, rounded_to) for k, v in self.checkpoint.load(names).items()}
-        norm = self.modeling.LlamaRMSNorm(self.config.hidden_size, eps=self.config.rms_norm_eps)
+        norm = getattr(self.modeling, self.family.norm_class)(self.config.hidden_size, eps=self.config.rms_norm_eps)
         norm.weight.data = tensors[names[0]].float()
         return norm.to(self.device).requires_grad_(False), tensors[names[1]].to(self.device, torch.float32)
 

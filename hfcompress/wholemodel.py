@@ -21,6 +21,7 @@ from .calibrate import cache_key
 from .checkpoint import Checkpoint, load_tensors, save_tensors
 from .distill import DistillData
 from .errors import HfcompressError
+from .families import family_of
 from .memory import available_memory
 from .methods import Finisher
 from .probe import run_probe
@@ -91,10 +92,9 @@ class WholeModelSteps:
         results = WholeModelResults(layers_dir=work)
         if not (self.probe or self.speed or self.finishers):
             return results
-        from transformers import LlamaForCausalLM
-
+        _, causal_lm = family_of(source_config).transformers_classes()  # the teacher, in transformers' own classes
         with run.step("whole model: load the original"):
-            original = assemble(source_config, checkpoint.load(list(checkpoint.files)), cls=LlamaForCausalLM)
+            original = assemble(source_config, checkpoint.load(list(checkpoint.files)), cls=causal_lm)
         if self.finishers:
             with run.step("whole model: distill"):
                 self._distill(run, original, config, work, layer_files, data, probe_ids, results)

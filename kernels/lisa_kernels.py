@@ -1,6 +1,6 @@
-"""Adapter between the LisaLlama remote modeling code and the LISA decode kernel.
+"""Adapter between the LISA remote modeling code and the LISA decode kernel.
 
-`modeling_lisa_llama.py` does `from .lisa_kernels import fused_lisa_decode, triton_available` inside a
+`lisa_attention.py` (the family-neutral part of every `modeling_lisa_<family>.py`) does `from .lisa_kernels import fused_lisa_decode, triton_available` inside a
 try/except and calls `fused_lisa_decode` for a dense-Align shared layer at decode only when
 `triton_available(q_lr)` (Triton importable, q_lr on CUDA in fp32/fp16/bf16); this file provides exactly
 that on top of `lisa_attention_triton.py`. Shipped flat next to the modeling file; imports only torch and

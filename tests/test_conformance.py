@@ -10,6 +10,7 @@ from transformers import LlamaForCausalLM, StaticCache
 from hfcompress.remote import import_remote
 
 modeling = import_remote("modeling_lisa_llama")
+lisa_attention = import_remote("lisa_attention")
 
 # (lisa_layers, fasc_ranks) of a 4-layer model; what each LISA layer receives from the one below is in the name
 SPECS = {
@@ -199,7 +200,7 @@ def test_attentions_of_converted_layers_are_the_softmax_of_their_scores(name, mo
         eager_logits(model, ids, mask)
     with torch.no_grad():
         fast = model(ids, attention_mask=mask).logits
-        monkeypatch.setattr(modeling, "SCORE_BLOCK_ELEMENTS", 2 * 4 * 9 * 3)  # B x H x keys x 3 rows
+        monkeypatch.setattr(lisa_attention, "SCORE_BLOCK_ELEMENTS", 2 * 4 * 9 * 3)  # B x H x keys x 3 rows
         out = model(ids, attention_mask=mask, output_attentions=True, use_cache=True)
         longer = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         step = model(ids[:, -1:], attention_mask=longer, cache=out.cache, output_attentions=True)

@@ -174,7 +174,7 @@ def _modeling_decode_math(align, prev, q_lr, k_lr, value, mask):
 
 
 def _case_adapter(kt, ref, rank, ffn, mask):
-    """kernels/lisa_kernels.py `fused_lisa_decode` (what modeling_lisa_llama.py calls, in its layout: (B,H,1,Tk)
+    """kernels/lisa_kernels.py `fused_lisa_decode` (what lisa_attention.py calls, in its layout: (B,H,1,Tk)
     score rows, (B,H,1,r) queries, an additive (B,1,1,Tk) mask) vs the modeling file's torch formula. There is no
     torch fallback in the adapter, so this runs the (interpreted) Triton kernel."""
     B, H, Hkv, Tk, D = 2, 4, 2, 23, 8
@@ -588,7 +588,7 @@ def test_reference_decode_equals_prefill_last_row():
 
 
 def test_model_gate_and_adapter_without_triton(monkeypatch):
-    """What modeling_lisa_llama.py imports from kernels/ (`fused_lisa_decode`, `triton_available`) imports without
+    """What lisa_attention.py imports from kernels/ (`fused_lisa_decode`, `triton_available`) imports without
     triton, and the gate it calls says no for every tensor, so the model keeps its torch path. With triton, only
     fp32/fp16/bf16 tensors on a GPU pass the gate (the kernel has no torch fallback)."""
     kt, _ = _load_copy("_lisa_kernels_plain")

@@ -4,9 +4,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hfcompress.remote import lisa_classes
+from hfcompress.families import FAMILIES
 
-LisaLlamaConfig, LisaLlamaForCausalLM = lisa_classes()
+LisaLlamaConfig, LisaLlamaForCausalLM = FAMILIES["llama"].remote_classes()
 
 
 def tiny_config(**overrides) -> LlamaConfig:

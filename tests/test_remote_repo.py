@@ -17,7 +17,10 @@ from tiny_models import save_tiny_llama
 from typer.testing import CliRunner
 
 from hfcompress.cli import app
-from hfcompress.remote import AUTO_MAP, remote_code_files
+from hfcompress.families import FAMILIES
+from hfcompress.remote import remote_code_files
+
+AUTO_MAP = FAMILIES["llama"].auto_map
 
 CONVERT = [
     "--max-ppl-increase", "1000", "--no-speed", "--no-probe", "--distill-tokens", "0",
@@ -120,7 +123,7 @@ def test_ships_exactly_the_files_the_model_imports(converted, loads):
     fresh process), and nothing else is shipped: no prefill/low-rank kernels, no torch references (bench/)."""
     _, out = converted
     shipped = sorted(p.name for p in out.glob("*.py"))
-    assert shipped == sorted(p.name for p in remote_code_files())
+    assert shipped == sorted(p.name for p in remote_code_files(AUTO_MAP))
     assert loads["remote_modules"] == shipped
     assert {"modeling_lisa_llama.py", "configuration_lisa_llama.py", "lisa_kernels.py"} <= set(shipped)
     bench = {p.name for p in (Path(__file__).resolve().parents[1] / "bench").glob("*.py")}
@@ -143,14 +146,14 @@ def test_remote_code_files_follow_the_imports(tmp_path, monkeypatch):
     (kernels / "unused.py").write_text("")
     monkeypatch.setattr(remote, "modeling_dir", lambda: modeling)
     monkeypatch.setattr(remote, "kernels_dir", lambda: kernels)
-    names = [(p.parent.name, p.name) for p in remote.remote_code_files()]
+    names = [(p.parent.name, p.name) for p in remote.remote_code_files(AUTO_MAP)]
     assert names == [
         ("modeling", "configuration_lisa_llama.py"), ("modeling", "modeling_lisa_llama.py"),
         ("kernels", "helper.py"), ("kernels", "lisa_kernels.py"),
     ]  # fmt: skip
     (kernels / "helper.py").unlink()
     with pytest.raises(FileNotFoundError, match="'helper' found 0 times"):
-        remote.remote_code_files()
+        remote.remote_code_files(AUTO_MAP)
 
 
 def test_auto_model_loads_the_base_model(converted, loads):

@@ -126,10 +126,14 @@ def edit_config(directory: Path, **changes) -> None:
 
 def test_unsupported_architecture(tiny_llama_dir, tmp_path):
     out = tmp_path / "o"
-    edit_config(tiny_llama_dir, model_type="mistral", architectures=["MistralForCausalLM"])
+    edit_config(tiny_llama_dir, model_type="mamba", architectures=["MambaForCausalLM"])
     for flags in ([], ["--trust-remote-code"]):  # the flag never widens the supported architectures
         result = convert(str(tiny_llama_dir), "--out", str(out), *flags)
-        assert_refused(result, 2, "'mistral' model", "supports only: llama (LlamaForCausalLM)", out=out)
+        assert_refused(
+            result, 2, "'mamba' model",
+            "supports only: llama (LlamaForCausalLM), mistral (MistralForCausalLM), qwen2 (Qwen2ForCausalLM), "
+            "qwen3 (Qwen3ForCausalLM)", out=out,
+        )  # fmt: skip
 
 
 def rewrite_weights(directory: Path, change) -> None:

@@ -11,7 +11,7 @@ from transformers.models.llama.modeling_llama import repeat_kv
 
 from hfcompress.remote import import_remote
 
-modeling = import_remote("modeling_lisa_llama")
+modeling = import_remote("lisa_attention")
 
 SPECS = {
     "sparse after full": {"2": {"rank": 4, "align": "sparse"}},

@@ -1,0 +1,23 @@
+"""Llama (and every source llama.cpp and transformers read as Llama, e.g. SmolLM2): full attention in every layer,
+biases per `attention_bias`."""
+
+from . import Family
+
+FAMILY = Family(
+    name="llama",
+    title="Llama",
+    model_types=("llama",),
+    transformers_config="LlamaConfig",
+    transformers_causal_lm="LlamaForCausalLM",
+    converted_model_type="lisa_llama",
+    config_module="configuration_lisa_llama",
+    modeling_module="modeling_lisa_llama",
+    config_class="LisaLlamaConfig",
+    model_class="LisaLlamaModel",
+    causal_lm_class="LisaLlamaForCausalLM",
+    decoder_layer_class="LisaLlamaDecoderLayer",
+    norm_class="LlamaRMSNorm",
+    rotary_class="LlamaRotaryEmbedding",
+    required_fields=("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"),
+    gguf_architectures=("llama",),
+)

@@ -1,0 +1,24 @@
+"""Qwen3: per-head RMSNorm on q and k before RoPE, an explicit `head_dim`, biases per `attention_bias`, sliding
+windows per layer as Qwen2."""
+
+from . import Family
+
+FAMILY = Family(
+    name="qwen3",
+    title="Qwen3",
+    model_types=("qwen3",),
+    transformers_config="Qwen3Config",
+    transformers_causal_lm="Qwen3ForCausalLM",
+    converted_model_type="lisa_qwen3",
+    config_module="configuration_lisa_qwen3",
+    modeling_module="modeling_lisa_qwen3",
+    config_class="LisaQwen3Config",
+    model_class="LisaQwen3Model",
+    causal_lm_class="LisaQwen3ForCausalLM",
+    decoder_layer_class="LisaQwen3DecoderLayer",
+    norm_class="Qwen3RMSNorm",
+    rotary_class="Qwen3RotaryEmbedding",
+    required_fields=(
+        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "head_dim",
+    ),  # fmt: skip
+)

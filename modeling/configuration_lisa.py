@@ -1,0 +1,67 @@
+"""What every LisaXxx configuration adds to its family's transformers config (`configuration_lisa_<family>.py`).
+
+Shipped to the Hub as remote code next to the family's configuration file; imports nothing.
+
+A family config is `@strict class LisaXxxConfig(LisaConfigMixin, XxxConfig)` declaring the two conversion specs as
+fields (`lisa_layers`, `fasc_ranks`), calling `normalise_specs()` first in its `__post_init__`, and defining
+`attention_types` (each layer's attention type as its family names it) and `projection_biases`.
+
+Cache layer types: a LISA layer caches low-rank keys (H heads x r) and values (KV heads), which transformers' own cache
+layers cannot allocate; its type is its attention type with the "lisa_" prefix ("lisa_attention" for full attention,
+"lisa_sliding_attention" for a sliding window), and `lisa_attention.py` registers the cache layers of those names.
+"""
+
+# attention type -> cache layer type of a LISA layer of that type (the attention types this modeling implements)
+LISA_CACHE_TYPES = {"full_attention": "lisa_attention", "sliding_attention": "lisa_sliding_attention"}
+ATTENTION_TYPES = {lisa: attention for attention, lisa in LISA_CACHE_TYPES.items()}
+ALIGN_KINDS = ("dense", "sparse")
+
+
+class LisaConfigMixin:
+    r"""
+    The two conversion specs `hfcompress convert` writes into a family's config.
+
+    lisa_layers (`dict[str, dict]`, *optional*):
+        Layer index (as a string) -> LISA spec of that layer. A listed layer has no `q_proj`/`k_proj` (nor the q/k
+        norms of families that have them): its pre-softmax scores are `Align(S_{l-1}) + (x W_Q^lr)(x W_K^lr)^T /
+        sqrt(rank)`, where `S_{l-1}` are the previous layer's scores; that layer (its anchor) must have the same
+        attention type (full or sliding window), so both see the same keys. Spec keys: `rank` (per-head rank of the
+        low-rank Q/K, even), `align_hidden` (hidden width of the FFN across heads, 0 = linear head mix only), `align`
+        ("dense", the default: mix across heads + FFN; or "sparse": one scaled source head per head, SDPA-friendly).
+    fasc_ranks (`dict[str, int]`, *optional*):
+        Module path inside a decoder layer, e.g. `"3.mlp.down_proj"` -> rank k. That linear becomes
+        `y = A (B x)` with `B: k x in` (`proj_in`) and `A: out x k` (`proj_out`).
+    """
+
+    def normalise_specs(self) -> None:
+        """JSON round trips give string keys and plain dicts; compare and look up by those."""
+        self.lisa_layers = {str(k): dict(v) for k, v in (self.lisa_layers or {}).items()}
+        self.fasc_ranks = {str(k): int(v) for k, v in (self.fasc_ranks or {}).items()}
+
+    def cache_layer_types(self) -> list[str]:
+        """Per layer, the type its cache layer is built from (see the module docstring)."""
+        return [LISA_CACHE_TYPES[t] if str(i) in self.lisa_layers else t for i, t in enumerate(self.attention_types)]
+
+    def validate_layer_type(self):
+        """One attention type per layer, of those this modeling implements (the library's list of layer types does not
+        hold the "lisa_" cache types)."""
+        types = self.attention_types
+        if len(types) != self.num_hidden_layers or not set(types) <= set(LISA_CACHE_TYPES):
+            raise ValueError(f"attention types {types} must be {self.num_hidden_layers} of {sorted(LISA_CACHE_TYPES)}.")
+
+    def validate_architecture(self):
+        super().validate_architecture()
+        types = self.attention_types
+        for key, spec in self.lisa_layers.items():
+            idx = int(key)
+            if not 0 < idx < self.num_hidden_layers:
+                raise ValueError(f"LISA layer {idx} must be in 1..{self.num_hidden_layers - 1} (layer 0 has no anchor)")
+            if types[idx] != types[idx - 1]:
+                raise ValueError(
+                    f"LISA layer {idx} ({types[idx]}) cannot share the attention of layer {idx - 1} "
+                    f"({types[idx - 1]}): a shared layer's anchor must have its attention type."
+                )
+            if int(spec["rank"]) < 0 or int(spec["rank"]) % 2:
+                raise ValueError(f"LISA layer {idx}: rank must be an even number >= 0, got {spec['rank']}.")
+            if spec.get("align", "dense") not in ALIGN_KINDS:
+                raise ValueError(f"LISA layer {idx}: align must be 'dense' or 'sparse', got {spec['align']!r}.")

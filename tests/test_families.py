@@ -1,0 +1,337 @@
+"""Model families beyond Llama (issue 15): Mistral, Qwen2 / Qwen2.5 and Qwen3.
+
+Each family's tiny random checkpoint is made by transformers' own config and model classes and saved with
+`save_pretrained`, with the real BPE tokenizer of tests/tiny_models.py. transformers initialises biases at 0 and norms
+at 1: they are perturbed, so that Qwen2's q/k/v biases and Qwen3's q/k norms change the scores. The windows (6) are
+shorter than the test sequences (16), so the sliding-window masks and caches are exercised.
+
+- The converted classes with nothing converted compute transformers' logits (left-padded batches too), and generate
+  the same with and without the cache.
+- A LISA layer of a sliding-window type applies the window in every path (prefill, chunked prefill, decode, static
+  cache), and shares only with a layer below of its own type.
+- `hfcompress convert DIR` of every family (LISA and FASC both changing something) writes a repo that loads in a fresh
+  process with `AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)` and generates, and ships exactly
+  the .py files the family imports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from test_shared_paths import left_padded
+from tiny_models import build_tiny_tokenizer
+from transformers import (
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+from typer.testing import CliRunner
+
+from hfcompress.build import build_converted_model, converted_config
+from hfcompress.cli import app
+from hfcompress.families import FAMILIES, family_of
+from hfcompress.lisa import causal_mask, full_attention_scores, rotary
+from hfcompress.remote import remote_code_files
+from hfcompress.source import load_source, resolve_source
+
+TINY = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=256, tie_word_embeddings=False,
+)  # fmt: skip
+WINDOW = 6
+# name -> (config class, causal-LM class, config overrides)
+CASES = {
+    # head_dim 24, not hidden / heads = 16; every layer has the window
+    "mistral": (MistralConfig, MistralForCausalLM, dict(head_dim=24, sliding_window=WINDOW)),
+    "mistral, no window": (MistralConfig, MistralForCausalLM, dict(sliding_window=None)),
+    # layers 0-1 full attention, 2-3 sliding window (max_window_layers)
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2)),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(head_dim=24, attention_bias=True)),
+}  # fmt: skip
+LENGTH = 16
+
+
+def tiny_model(name: str) -> torch.nn.Module:
+    config_class, model_class, overrides = CASES[name]
+    tokenizer = build_tiny_tokenizer()
+    config = config_class(
+        vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, **TINY, **overrides,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 1:  # biases and norm weights
+                param.add_(torch.randn(param.shape, generator=generator) * 0.2)
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """name -> directory of the saved tiny checkpoint and tokenizer."""
+    root = tmp_path_factory.mktemp("families")
+    dirs = {}
+    for name in CASES:
+        directory = root / name.replace(", ", "-").replace(" ", "-")
+        tiny_model(name).save_pretrained(directory)
+        build_tiny_tokenizer().save_pretrained(directory)
+        dirs[name] = directory
+    return dirs
+
+
+def ids_and_mask(padded: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return left_padded([LENGTH, 11 if padded else LENGTH], LENGTH)
+
+
+@torch.no_grad()
+def greedy(model, ids: torch.Tensor, mask: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(new tokens, logits of every step) of 6 greedy steps."""
+    out = model.generate(
+        ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+        output_logits=True, **kwargs,
+    )  # fmt: skip
+    return out.sequences[:, ids.shape[1] :], torch.stack(out.logits, dim=1)
+
+
+def assert_same_generation(actual: tuple, expected: tuple) -> None:
+    assert torch.equal(actual[0], expected[0])
+    torch.testing.assert_close(actual[1], expected[1], atol=1e-4, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------------ nothing converted = transformers
+@pytest.mark.parametrize("name", CASES)
+def test_unconverted_model_equals_transformers(name, checkpoints):
+    """The saved checkpoint, loaded by hfcompress (transformers' class of its family) and put into the converted classes
+    with nothing shared or factorised: the same logits (one sequence, a left-padded batch) and the same generation,
+    with the cache and without."""
+    original, _ = load_source(resolve_source(str(checkpoints[name])))
+    assert type(original) is CASES[name][1]
+    converted = build_converted_model(original, [], {})
+    assert type(converted).__name__ == family_of(original.config).causal_lm_class
+    with torch.no_grad():
+        for padded in (False, True):
+            ids, mask = ids_and_mask(padded)
+            real = mask.bool()
+            got, want = converted(ids, attention_mask=mask).logits, original(ids, attention_mask=mask).logits
+            assert (got - want)[real].abs().max() <= 1e-4
+    ids, mask = ids_and_mask(padded=True)
+    cached = greedy(converted, ids, mask)
+    assert_same_generation(cached, greedy(converted, ids, mask, use_cache=False))
+    assert_same_generation(cached, greedy(original, ids, mask))
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+def test_lisa_fit_targets_are_the_original_scores(name, checkpoints):
+    """What LISA measures and fits against (`full_attention_scores` of the converted classes) is the original
+    attention: Qwen2's q/k biases, Qwen3's q/k norms and layer 2's window included."""
+    _, model_class, _ = CASES[name]
+    original = model_class.from_pretrained(checkpoints[name], attn_implementation="eager").eval()
+    attn_inputs = []
+    layer = original.model.layers[2]
+    hook = layer.self_attn.register_forward_pre_hook(lambda m, a, k: attn_inputs.append(k["hidden_states"]), with_kwargs=True)
+    ids = torch.randint(3, 500, (1, LENGTH), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = original(ids, output_attentions=True).attentions[2]
+        hook.remove()
+        attn = build_converted_model(original, [], {}).model.layers[2].self_attn
+        x = attn_inputs[0]
+        scores = full_attention_scores(attn, x, rotary(original, x))
+    assert attn.sliding_window == (WINDOW if name == "qwen2" else None)
+    got = torch.softmax(scores + causal_mask(LENGTH, window=attn.sliding_window), dim=-1)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------- LISA across windows
+def shared_model(name: str, spec: dict) -> torch.nn.Module:
+    """The tiny model of `name` with the LISA layers of `spec` (random modules, sparse ones reading permuted heads)."""
+    original = tiny_model(name)
+    config = converted_config(original.config, {"lisa_layers": spec})
+    _, cls = family_of(config).remote_classes()
+    model = cls(config).eval()
+    own = model.state_dict()
+    missing = model.load_state_dict({k: v for k, v in original.state_dict().items() if k in own}, strict=False).missing_keys
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for key, param in model.named_parameters():
+            if key in missing:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+        for layer in model.model.layers:
+            if layer.is_lisa and layer.self_attn.sparse:
+                layer.self_attn.align.source.copy_(torch.randperm(4, generator=generator))
+    return model
+
+
+WINDOW_SPECS = {
+    "qwen2 sparse": ("qwen2", {"3": {"rank": 4, "align": "sparse"}}),
+    "qwen2 dense": ("qwen2", {"3": {"rank": 4, "align_hidden": 8}}),
+    "mistral sparse then dense": ("mistral", {"2": {"rank": 4, "align": "sparse"}, "3": {"rank": 2, "align_hidden": 4}}),
+}
+
+
+@pytest.mark.parametrize("case", WINDOW_SPECS)
+def test_shared_layers_apply_the_window_in_every_path(case):
+    """A LISA layer of a sliding-window type: its probabilities are 0 outside the window, and the fast paths (feature
+    SDPA, block-wise scores) compute what the materialising path does; a prompt fed in chunks (queries after a cached
+    past longer than the window) and then one token at a time gives the prefill's logits; a static cache generates
+    what the dynamic one does."""
+    model = shared_model(*WINDOW_SPECS[case])
+    ids, mask = ids_and_mask(padded=True)
+    real = mask.bool()
+    # (query, key) outside the window, for real queries (a padded query's row is uniform: every key is masked)
+    outside = ~torch.ones(LENGTH, LENGTH, dtype=torch.bool).tril().triu(1 - WINDOW) & real[:, None, :, None]
+    with torch.no_grad():
+        fast = model(ids, attention_mask=mask).logits
+        out = model(ids, attention_mask=mask, output_attentions=True)
+        for idx, probs in enumerate(out.attentions):
+            if model.config.attention_types[idx] == "sliding_attention":
+                assert (probs.masked_select(outside) == 0).all(), idx
+        torch.testing.assert_close(out.logits[real], fast[real], atol=1e-5, rtol=1e-4)
+        first = model(ids[:, :8], attention_mask=mask[:, :8], use_cache=True)  # the windowed caches keep 5 positions
+        second = model(ids[:, 8:12], attention_mask=mask[:, :12], cache=first.cache, use_cache=True)
+        steps, cache = [first.logits, second.logits], second.cache
+        for t in range(12, LENGTH):
+            step = model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=cache, use_cache=True)
+            steps.append(step.logits)
+            cache = step.cache
+    torch.testing.assert_close(torch.cat(steps, dim=1)[real], fast[real], atol=2e-4, rtol=1e-4)
+    kinds = {type(layer).__name__ for layer in cache.layers}
+    assert "LisaDynamicSlidingLayer" in kinds and "DynamicSlidingWindowLayer" in kinds
+    assert_same_generation(greedy(model, ids, mask, cache_implementation="static"), greedy(model, ids, mask))
+
+
+def test_a_shared_layer_must_have_the_attention_type_of_the_layer_below(checkpoints, tmp_path):
+    """Qwen2's layer 2 has a window and layer 1 none: the config refuses sharing layer 2, and so does the CLI, with one
+    sentence, before any work."""
+    with pytest.raises(Exception, match="a shared layer's anchor must have its attention type"):
+        converted_config(tiny_model("qwen2").config, {"lisa_layers": {"2": {"rank": 2}}})
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["convert", str(checkpoints["qwen2"]), "--out", str(out), "--lisa-layers", "2,3"])
+    assert result.exit_code == 2, result.output
+    assert "--lisa-layers [2] cannot be shared" in result.output and "attention type" in result.output
+    assert not out.exists()
+
+
+# ------------------------------------------------------------------------------------------- hfcompress convert
+FAST = [
+    "--distill-tokens", "0", "--calib-sequences", "4", "--seq-len", "32", "--eval-tokens", "256", "--lisa-steps", "4",
+    "--protect-first", "1", "--fasc-budget", "0.8", "--calib-text", "builtin", "--eval-text", "builtin",
+    "--ood-text", "none", "--max-ppl-increase", "1000", "--no-speed", "--no-probe",
+]  # fmt: skip
+# name -> how LISA is chosen: Qwen2 by ratio (layer 2 is skipped: a window over a full layer), the others explicitly
+CONVERT = {
+    "mistral": ["--lisa-layers", "2"],
+    "qwen2": ["--share-ratio", "0.5"],
+    "qwen3": ["--lisa-layers", "2,3", "--lisa-align", "dense"],
+}
+EXPECTED_LISA_LAYERS = {"mistral": [2], "qwen2": [1, 3], "qwen3": [2, 3]}
+
+_LOAD = r"""
+import json, sys
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+out, result_path = sys.argv[1:3]
+model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
+tokenizer = AutoTokenizer.from_pretrained(out, trust_remote_code=True)
+ids = tokenizer("def f(x):", return_tensors="pt").input_ids
+with torch.no_grad():
+    new = model.generate(ids, max_new_tokens=5, do_sample=False)[0, ids.shape[1]:]
+# the remote-code modules transformers itself copied and imported for this load
+loaded = [m for name, m in list(sys.modules.items()) if name.startswith("transformers_modules.")]
+files = sorted({Path(m.__file__).name for m in loaded if getattr(m, "__file__", None) and not m.__file__.endswith("__init__.py")})
+Path(result_path).write_text(json.dumps({"class": type(model).__name__, "new_tokens": len(new), "modules": files}))
+"""
+
+
+@pytest.fixture(scope="module")
+def convert_and_load(checkpoints, tmp_path_factory):
+    """name -> (output directory of `hfcompress convert` in this process (a private cache; offline, as the calling
+    test is), what a fresh process (offline, its own module cache) loaded from it: class, new tokens, the remote-code
+    files transformers imported). Each family is converted once, when a test first asks for it."""
+    root = tmp_path_factory.mktemp("family_outputs")
+    done: dict[str, tuple[Path, dict]] = {}
+
+    def run(name: str) -> tuple[Path, dict]:
+        if name not in done:
+            out = root / f"{name}-lisa"
+            result = CliRunner().invoke(
+                app, ["convert", str(checkpoints[name]), "--out", str(out), *FAST, *CONVERT[name]],
+                env={"HFCOMPRESS_CACHE": str(root / "cache")},
+            )  # fmt: skip
+            assert result.exit_code == 0, result.output
+            env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(root / f"hf_home-{name}"), TRANSFORMERS_VERBOSITY="error")
+            env.pop("HF_MODULES_CACHE", None)
+            result_path = root / f"{name}-load.json"
+            proc = subprocess.run(
+                [sys.executable, "-c", _LOAD, str(out), str(result_path)],
+                stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env, timeout=300,
+            )  # fmt: skip
+            assert proc.returncode == 0, proc.stderr[-4000:]
+            done[name] = out, json.loads(result_path.read_text())
+        return done[name]
+
+    return run
+
+
+def tensor_names(out: Path) -> set[str]:
+    with safe_open(out / "model.safetensors", "pt") as handle:
+        return set(handle.keys())
+
+
+@pytest.mark.parametrize(
+    "name", ["qwen2", pytest.param("mistral", marks=pytest.mark.slow), pytest.param("qwen3", marks=pytest.mark.slow)]
+)  # about 30 s each on 2 cores: Qwen2 (biases, windows, the type rule in the ratio) in the fast tier
+def test_convert_writes_a_repo_that_loads_and_generates(name, convert_and_load):
+    out, loaded = convert_and_load(name)
+    family = FAMILIES[name]
+    config = json.loads((out / "config.json").read_text())
+    report = json.loads((out / "hfcompress_report.json").read_text())
+    assert config["model_type"] == family.converted_model_type and config["auto_map"] == family.auto_map
+    assert report["source"]["family"] == name and report["validation"]["reload"]["max_abs_logit_diff"] <= 1e-4
+    assert sorted(int(k) for k in config["lisa_layers"]) == report["lisa"]["layers"] == EXPECTED_LISA_LAYERS[name]
+    assert config["fasc_ranks"] and any(layer["rank"] for layer in report["fasc"]["layers"])
+    assert f"- {name}\n" in (out / "README.md").read_text()  # the card's family tag
+
+    assert loaded["class"] == family.causal_lm_class and loaded["new_tokens"] == 5
+    shipped = sorted(p.name for p in out.glob("*.py"))
+    assert shipped == sorted(p.name for p in remote_code_files(family.auto_map)) == loaded["modules"]
+    assert {f"{family.modeling_module}.py", f"{family.config_module}.py", "lisa_attention.py"} <= set(shipped)
+
+    names = tensor_names(out)
+    for layer in EXPECTED_LISA_LAYERS[name]:  # a shared layer drops q/k (biases, norms) and keeps V, O
+        prefix = f"model.layers.{layer}.self_attn."
+        assert not {n for n in names if n.startswith(prefix) and any(p in n for p in ("q_proj", "k_proj", "q_norm", "k_norm"))}
+        assert {prefix + "q_lowrank.weight", prefix + "k_lowrank.weight"} <= names
+        v_bias = {prefix + "v_proj.bias", prefix + "v_proj.proj_out.bias"} & names  # dense or factorised
+        o_bias = {prefix + "o_proj.bias", prefix + "o_proj.proj_out.bias"} & names
+        assert bool(v_bias) == (name != "mistral") and bool(o_bias) == (name == "qwen3")  # qwen3: attention_bias
+    if name == "qwen3":
+        assert "model.layers.1.self_attn.q_norm.weight" in names  # the anchor keeps its q/k norms
+
+
+# ------------------------------------------------------------------------------------------- unsupported families
+@pytest.mark.parametrize("model_type", ["gpt2", "mamba"])
+def test_unsupported_model_type_is_refused_by_name(model_type, tiny_llama_dir, tmp_path):
+    config = json.loads((tiny_llama_dir / "config.json").read_text())
+    config.update(model_type=model_type, architectures=["SomethingForCausalLM"])
+    (tiny_llama_dir / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["convert", str(tiny_llama_dir), "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    supported = "llama (LlamaForCausalLM), mistral (MistralForCausalLM), qwen2 (Qwen2ForCausalLM), qwen3 (Qwen3ForCausalLM)"
+    assert f"'{model_type}' model" in result.output and f"supports only: {supported}" in result.output
+    assert not out.exists()

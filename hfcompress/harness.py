@@ -6,6 +6,7 @@ source's own code is never run).
 The results, with lm-eval's version and settings, go into the output's report and card (`report["lm_eval"]`).
 """
 
+import functools
 import importlib.metadata
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,13 +47,17 @@ class LmEvalOptions:
         return options
 
     def task_manager(self):
-        try:
-            from lm_eval.tasks import TaskManager
-        except ImportError as err:
-            raise HfcompressError(
-                "--lm-eval needs lm-evaluation-harness: pip install 'hfcompress[eval]' (or lm-eval==0.4.13)."
-            ) from err
-        return TaskManager(include_path=str(self.include_path) if self.include_path else None)
+        return _task_manager(str(self.include_path) if self.include_path else None)
+
+
+@functools.cache
+def _task_manager(include_path: str | None):
+    """lm-eval's task index (it scans thousands of task YAMLs: about 10 s, so once per process)."""
+    try:
+        from lm_eval.tasks import TaskManager
+    except ImportError as err:
+        raise HfcompressError("--lm-eval needs lm-evaluation-harness: pip install 'hfcompress[eval]' (or lm-eval==0.4.13).") from err
+    return TaskManager(include_path=include_path)
 
 
 def _evaluate(model, options: LmEvalOptions, label: str) -> dict:

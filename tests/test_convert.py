@@ -43,6 +43,7 @@ def no_partial_dirs(parent: Path) -> bool:
     return not [p for p in parent.iterdir() if ".partial-" in p.name]
 
 
+@pytest.mark.slow  # a convert + push + two fresh-process loads: ~50 s on 2 cores
 def test_hub_round_trip(tiny_llama_dir, hub_api, hub_env, local_hub, tmp_path):
     source_repo, target_repo = f"{HUB_USER}/tiny", f"{HUB_USER}/tiny-lisa"
     hub_api.create_repo(source_repo)
@@ -163,6 +164,7 @@ def test_interrupted_write_leaves_nothing(tmp_path):
     assert not (tmp_path / "o").exists() and no_partial_dirs(tmp_path)
 
 
+@pytest.mark.slow  # convert, eval and analyze of the tiny model: ~70 s on 2 cores
 def test_eval_and_analyze_commands(tiny_llama_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("HFCOMPRESS_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "out"
@@ -240,6 +242,7 @@ def test_push_refuses_incomplete_directory(tmp_path):
     assert result.exit_code == 2 and "not a complete hfcompress output directory" in result.output
 
 
+@pytest.mark.slow  # a bfloat16 convert with speed: ~40 s on 2 cores
 def test_saved_dtype_speed_record_and_card(tiny_llama_dir, tmp_path):
     """--dtype bfloat16 saves bf16 weights whose reload matches the validated (rounded) model; the speed record
     and its plot reach the report and the card."""

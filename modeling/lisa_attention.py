@@ -153,7 +153,9 @@ class LisaStaticSlidingLayer(StaticSlidingWindowLayer):
 def bind_sliding_windows(cache: Cache, sliding_window: int) -> None:
     """Give the sliding-window LISA cache layers of `cache` the model's window (once, before their first update)."""
     for layer in cache.layers:
-        if isinstance(layer, (LisaDynamicSlidingLayer, LisaStaticSlidingLayer)) and layer.sliding_window is None:
+        # by duck type, not isinstance: transformers' layer-type registry holds the classes of whichever copy of this
+        # file registered last (hfcompress's own import, or transformers_modules' copy of a loaded repo)
+        if hasattr(layer, "bind_window") and layer.sliding_window is None:
             layer.bind_window(sliding_window)
 
 

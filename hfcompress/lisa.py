@@ -61,9 +61,15 @@ class LayerSimilarity:
         return asdict(self)
 
 
-def rotary(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary(model: nn.Module, x: torch.Tensor, layer_idx: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE (cos, sin) of positions 0..T-1 for layer `layer_idx`: of its attention type in a model of the converted
+    classes (Gemma 3's bases differ per type), the one rotary of a transformers model without `attention_types`."""
     positions = torch.arange(x.shape[1]).unsqueeze(0)
-    return model.model.rotary_emb(x, position_ids=positions)
+    types = getattr(model.config, "attention_types", None)
+    if types is None:
+        return model.model.rotary_emb(x, position_ids=positions)
+    kind = types[layer_idx]
+    return import_remote("lisa_attention").rotary_embeddings(model.model.rotary_emb, x, positions, [kind])[kind]
 
 
 def causal_mask(
@@ -178,9 +184,9 @@ def measure_similarity(
     transformers' classes)."""
     model = in_converted_classes(model)
     layers = model.model.layers
-    cos_sin = rotary(model, attn_inputs[0][:1])
     previous, result = None, []
     for idx in progress_bar(range(len(layers)), "analyze: attention similarity"):
+        cos_sin = rotary(model, attn_inputs[0][:1], idx)
         similarity, previous = layer_similarity(idx, layers[idx].self_attn, attn_inputs[idx][:max_sequences], cos_sin, previous)
         if similarity is not None:
             result.append(similarity)
@@ -421,11 +427,11 @@ def fit_lisa(
     rank = lowrank_rank(model.config, options.qk_compression) if options.lowrank else 0
     matching = {s.layer: s.matching for s in similarity}
     layers = model.model.layers
-    cos_sin = rotary(model, attn_inputs[0][:1])
     fitted: list[FittedLayer] = []
     converted: dict[int, nn.Module] = {}
     prev_scores = None
     for idx in progress_bar(range(chosen[-1] + 1), "lisa: fit shared layers"):
+        cos_sin = rotary(model, attn_inputs[0][:1], idx)
         if idx in chosen:
             module, record = fit_shared_layer(
                 model.config, layers[idx].self_attn, cos_sin, idx, attn_inputs[idx], prev_scores, matching[idx], rank, options
@@ -503,7 +509,7 @@ class LisaMethod(Method):
             if self._previous is None or self._previous[0] != ctx.index - 1:  # resumed: recompute the layer below
                 below = ctx.previous()
                 x_below = below.attention_input()[:SIMILARITY_SEQUENCES]
-                _, scores = layer_similarity(below.index, below.layer.self_attn, x_below, ctx.cos_sin(x.shape[1]), None)
+                _, scores = layer_similarity(below.index, below.layer.self_attn, x_below, below.cos_sin(x.shape[1]), None)
                 self._previous = (below.index, scores)
             previous = self._previous[1]
         similarity, scores = layer_similarity(ctx.index, ctx.layer.self_attn, x, ctx.cos_sin(x.shape[1]), previous)

@@ -199,7 +199,7 @@ class Run:
 
         return LayerContext(
             index=idx, num_layers=stream.num_layers, layer=layer, device=self.device, attention_input=attention_input,
-            cos_sin=stream.cos_sin, previous=previous, is_main=processes.is_main,
+            cos_sin=lambda seq_len: stream.cos_sin(seq_len, idx), previous=previous, is_main=processes.is_main,
         )
 
 

@@ -246,9 +246,10 @@ def check_gguf_architecture(path: Path) -> None:
     architecture = gguf_architecture(path)
     if architecture not in SUPPORTED_GGUF_ARCHITECTURES:
         supported = ", ".join(f"'{a}'" for a in SUPPORTED_GGUF_ARCHITECTURES)
+        titles = ", ".join(family.title for family in FAMILIES.values() if family.gguf_architectures)
         raise HfcompressError(
             f"{path} is a GGUF of architecture {architecture[:64]!r} (general.architecture in its header), but "
-            f"hfcompress converts only GGUF architecture {supported} (Llama models): pass a Llama GGUF, a model "
+            f"hfcompress converts only GGUF architecture {supported} ({titles} models): pass a Llama GGUF, a model "
             "directory or a Hub id."
         )
 

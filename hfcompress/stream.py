@@ -92,9 +92,13 @@ class LayerStream:
     def original_layer(self, idx: int) -> nn.Module:
         return self.build(self.config, idx, self.original_state(idx))
 
-    def cos_sin(self, seq_len: int):
+    def cos_sin(self, seq_len: int, layer: int = 0):
+        """RoPE (cos, sin) of positions 0..seq_len-1 for decoder layer `layer` (Gemma 3's bases differ per attention
+        type)."""
         positions = torch.arange(seq_len, device=self.device).unsqueeze(0)
-        return self.rotary_emb(torch.zeros(1, seq_len, 1, device=self.device), position_ids=positions)
+        kind = self.config.attention_types[layer]
+        x = torch.zeros(1, seq_len, 1, device=self.device)
+        return self.lisa_attention.rotary_embeddings(self.rotary_emb, x, positions, [kind])[kind]
 
     def handoff(self, config, idx: int) -> str | None:
         """What layer `idx` of `config` hands to the next one at prefill (lisa_attention.handoff_to_next_layer)."""
@@ -107,7 +111,8 @@ class LayerStream:
         serves every attention backend."""
         seq_len, home = hidden.shape[1], hidden.device
         mask = causal_mask(seq_len, device=self.device, window=layer.self_attn.sliding_window)
-        cos_sin, positions = self.cos_sin(seq_len), torch.arange(seq_len, device=self.device).unsqueeze(0)
+        cos_sin = self.cos_sin(seq_len, layer.layer_idx)  # of the layer's attention type
+        positions = torch.arange(seq_len, device=self.device).unsqueeze(0)
         outputs, passed = [], []
         for start in range(0, len(hidden), self.batch_size):
             part = slice(start, start + self.batch_size)
@@ -132,9 +137,14 @@ class LayerStream:
 
     def embed(self, ids: list[torch.Tensor], rounded_to: torch.dtype | None = None) -> list[torch.Tensor]:
         """Input embeddings of each id tensor (float32, on the CPU: hidden states live there between layers),
-        optionally of the embedding matrix as saved in `rounded_to`; the matrix is read once for all of them."""
+        optionally of the embedding matrix as saved in `rounded_to`; the matrix is read once for all of them. A family
+        that scales its embeddings (the config's `embedding_scale`, Gemma 3's sqrt(hidden)) scales them as its model
+        does in float32, the dtype the layers run in here and the reload check loads the saved weights in (Gemma
+        rounds the scale to the dtype it runs in, not to the saved one)."""
         weight = _rounded(self.checkpoint.load(["model.embed_tokens.weight"])["model.embed_tokens.weight"], rounded_to)
-        return [nn.functional.embedding(part, weight).float() for part in ids]
+        scale = getattr(self.config, "embedding_scale", None)
+        factor = 1 if scale is None else torch.tensor(scale, dtype=torch.float32)
+        return [nn.functional.embedding(part, weight).float() * factor for part in ids]
 
 
 def _working(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

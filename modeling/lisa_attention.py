@@ -411,11 +411,32 @@ class LisaAttention(nn.Module):
         return self.o_proj(attn_output), passed
 
 
+def rope_theta(config, attention_type: str = "full_attention") -> float:
+    """The RoPE base of layers of `attention_type`: `rope_parameters` may be nested by attention type (Gemma 3: 1e6 for
+    full attention, 1e4 for the sliding window) or one dict for every layer."""
+    params = config.rope_parameters or {}
+    if isinstance(params.get(attention_type), dict):
+        params = params[attention_type]
+    return float(params.get("rope_theta", 10000.0))
+
+
+def rotary_embeddings(
+    rotary: nn.Module, x: torch.Tensor, position_ids: torch.Tensor, attention_types: list[str]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """Attention type -> RoPE (cos, sin) of `position_ids`: a rotary embedding with parameters per attention type
+    (`per_attention_type`, Gemma 3) is called once per type (`rotary(x, position_ids, attention_type)`), any other once
+    for all."""
+    if getattr(rotary, "per_attention_type", False):
+        return {kind: rotary(x, position_ids, kind) for kind in dict.fromkeys(attention_types)}
+    return dict.fromkeys(attention_types, rotary(x, position_ids=position_ids))
+
+
 def lowrank_rotary(
-    config, rank: int, position_ids: torch.Tensor, dtype: torch.dtype
+    config, rank: int, position_ids: torch.Tensor, dtype: torch.dtype, attention_type: str = "full_attention"
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """RoPE (cos, sin) at the low-rank width r (same base as the model), so the correction term is position-aware."""
-    theta = float((config.rope_parameters or {}).get("rope_theta", 10000.0))
+    """RoPE (cos, sin) at the low-rank width r (the base of the layer's attention type in the model), so the correction
+    term is position-aware."""
+    theta = rope_theta(config, attention_type)
     inv_freq = 1.0 / theta ** (torch.arange(0, rank, 2, device=position_ids.device, dtype=torch.float) / rank)
     freqs = position_ids[..., None].float() * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -433,6 +454,7 @@ class LisaSharedAttention(nn.Module):
         self.head_dim = config.head_dim
         self.num_heads = config.num_attention_heads
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.attention_type = config.attention_types[layer_idx]
         self.sliding_window = layer_window(config, layer_idx)
         hidden, bias = config.hidden_size, config.projection_biases
         self.q_lowrank = nn.Linear(hidden, self.num_heads * rank, bias=False)
@@ -453,7 +475,7 @@ class LisaSharedAttention(nn.Module):
         q_lr = self.q_lowrank(hidden_states).view(shape).transpose(1, 2)
         k_lr = self.k_lowrank(hidden_states).view(shape).transpose(1, 2)
         if rotary is None:
-            rotary = lowrank_rotary(self.config, self.rank, position_ids, hidden_states.dtype)
+            rotary = lowrank_rotary(self.config, self.rank, position_ids, hidden_states.dtype, self.attention_type)
         return apply_rotary_pos_emb(q_lr, k_lr, *rotary)
 
     def scores(self, prev_scores: torch.Tensor, q_lr: torch.Tensor, k_lr: torch.Tensor) -> torch.Tensor:
@@ -624,16 +646,17 @@ class LisaDecoderLayer(GradientCheckpointingLayer):
         output_attentions: bool = False,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | tuple | None]:
-        """(hidden states, what this layer hands to the next one). The masks are those of this layer's attention type.
-        `lowrank_position_embeddings`: rank -> `lowrank_rotary` of `position_ids`, computed once for all layers. Under
-        gradient checkpointing `prev` is a keyword argument, so only the non-reentrant checkpoint (transformers'
-        default) sees it and its gradient."""
+        """(hidden states, what this layer hands to the next one). The masks and `position_embeddings` are those of this
+        layer's attention type. `lowrank_position_embeddings`: (rank, attention type) -> `lowrank_rotary` of
+        `position_ids`, computed once for all layers. Under gradient checkpointing `prev` is a keyword argument, so only
+        the non-reentrant checkpoint (transformers' default) sees it and its gradient."""
         residual = hidden_states
         normed = self.input_layernorm(hidden_states)
         if self.is_lisa:
+            lowrank = lowrank_position_embeddings or {}
             attn_out, passed = self.self_attn(
                 normed, position_ids, additive_mask, prev, cache=cache, handoff=handoff,
-                lowrank_position_embeddings=(lowrank_position_embeddings or {}).get(self.self_attn.rank),
+                lowrank_position_embeddings=lowrank.get((self.self_attn.rank, self.attention_type)),
                 output_attentions=output_attentions,
             )  # fmt: skip
         else:
@@ -641,9 +664,12 @@ class LisaDecoderLayer(GradientCheckpointingLayer):
                 normed, position_embeddings, attention_mask, additive_mask, cache=cache, handoff=handoff,
                 output_attentions=output_attentions, **kwargs,
             )  # fmt: skip
+        return self.after_attention(residual, attn_out), passed
+
+    def after_attention(self, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the attention: Llama's residual, norm, MLP, residual (Gemma 3 adds norms)."""
         hidden_states = residual + attn_out
-        hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
-        return hidden_states, passed
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
 def handoff_to_next_layer(config, idx: int) -> str | None:
@@ -703,7 +729,7 @@ class LisaModel(LisaPreTrainedModel):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.embed_tokens = self.embedding(config)
         self.layers = nn.ModuleList([self.decoder_layer_class(config, i) for i in range(config.num_hidden_layers)])
         self.norm = self.norm_class(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = self.rotary_class(config=config)
@@ -715,6 +741,10 @@ class LisaModel(LisaPreTrainedModel):
         self.lisa_types = {self.attention_types[int(idx)] for idx in config.lisa_layers}
         self.gradient_checkpointing = False
         self.post_init()
+
+    def embedding(self, config) -> nn.Module:
+        """The input embedding (Gemma 3's is scaled by sqrt(hidden))."""
+        return nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @merge_with_config_defaults
@@ -757,10 +787,11 @@ class LisaModel(LisaPreTrainedModel):
         }  # fmt: skip
 
         hidden_states = inputs_embeds
-        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+        position_embeddings = rotary_embeddings(self.rotary_emb, hidden_states, position_ids, self.mask_types)
         lowrank_position_embeddings = {
-            rank: lowrank_rotary(self.config, rank, position_ids, hidden_states.dtype) for rank in self.lowrank_ranks
-        }
+            (rank, kind): lowrank_rotary(self.config, rank, position_ids, hidden_states.dtype, kind)
+            for rank in self.lowrank_ranks for kind in self.lisa_types
+        }  # fmt: skip
         passed = None
         for layer, handoff, kind in zip(self.layers, self.handoffs, self.attention_types):
             hidden_states, passed = layer(
@@ -768,7 +799,7 @@ class LisaModel(LisaPreTrainedModel):
                 attention_mask=causal_masks[kind],
                 additive_mask=additive_masks[kind],
                 position_ids=position_ids,
-                position_embeddings=position_embeddings,
+                position_embeddings=position_embeddings[kind],
                 cache=cache,
                 prev=passed,
                 handoff=handoff,

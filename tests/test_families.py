@@ -1,9 +1,11 @@
-"""Model families beyond Llama (issue 15): Mistral, Qwen2 / Qwen2.5 and Qwen3.
+"""Model families beyond Llama (issue 15): Mistral, Qwen2 / Qwen2.5, Qwen3 and Gemma 3 (text).
 
 Each family's tiny random checkpoint is made by transformers' own config and model classes and saved with
 `save_pretrained`, with the real BPE tokenizer of tests/tiny_models.py. transformers initialises biases at 0 and norms
-at 1: they are perturbed, so that Qwen2's q/k/v biases and Qwen3's q/k norms change the scores. The windows (6) are
-shorter than the test sequences (16), so the sliding-window masks and caches are exercised.
+at 1 (Gemma's (1 + w) norms at 0): they are perturbed, so that Qwen2's q/k/v biases and the q/k norms change the
+scores. The windows (6) are shorter than the test sequences (16), so the sliding-window masks and caches are exercised.
+Gemma 3's tiny model interleaves sliding and full layers with their own RoPE bases, ties its embeddings and scales its
+attention by a `query_pre_attn_scalar` that is not its head_dim.
 
 - The converted classes with nothing converted compute transformers' logits (left-padded batches too), and generate
   the same with and without the cache.
@@ -28,6 +30,8 @@ from safetensors import safe_open
 from test_shared_paths import left_padded
 from tiny_models import build_tiny_tokenizer
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     MistralConfig,
     MistralForCausalLM,
     Qwen2Config,
@@ -38,11 +42,14 @@ from transformers import (
 from typer.testing import CliRunner
 
 from hfcompress.build import build_converted_model, converted_config
+from hfcompress.checkpoint import Checkpoint
 from hfcompress.cli import app
 from hfcompress.families import FAMILIES, family_of
 from hfcompress.lisa import causal_mask, full_attention_scores, rotary
+from hfcompress.remote import import_remote
 from hfcompress.remote import remote_code_files
 from hfcompress.source import load_source, resolve_source
+from hfcompress.stream import LayerStream
 
 TINY = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -57,6 +64,14 @@ CASES = {
     # layers 0-1 full attention, 2-3 sliding window (max_window_layers)
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2)),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(head_dim=24, attention_bias=True)),
+    # sliding, sliding, full, full: a shareable layer of each type (1, 3), each type with its own RoPE base
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, dict(
+        # hidden 80: sqrt(80) is not a bfloat16 number, so the embedding scale's rounding shows
+        hidden_size=80, head_dim=24, query_pre_attn_scalar=16, sliding_window=WINDOW, tie_word_embeddings=True,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+    )),
 }  # fmt: skip
 LENGTH = 16
 
@@ -66,7 +81,7 @@ def tiny_model(name: str) -> torch.nn.Module:
     tokenizer = build_tiny_tokenizer()
     config = config_class(
         vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, **TINY, **overrides,
+        pad_token_id=tokenizer.pad_token_id, **{**TINY, **overrides},
     )  # fmt: skip
     torch.manual_seed(0)
     model = model_class(config).eval()
@@ -153,6 +168,57 @@ def test_lisa_fit_targets_are_the_original_scores(name, checkpoints):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
+def test_gemma3_lisa_fit_targets_are_the_original_scores(checkpoints):
+    """Gemma 3: the scores LISA measures and fits against are the original attention in every layer (q/k norms,
+    query_pre_attn_scalar, the sliding and the full RoPE base, the window), with the (cos, sin) the streamed layers get
+    for their type; and the streamed embedding is Gemma's scaled one."""
+    original = Gemma3ForCausalLM.from_pretrained(checkpoints["gemma3"], attn_implementation="eager").eval()
+    inputs = {}
+
+    def keep(idx: int):
+        return lambda module, args, kwargs: inputs.update({idx: kwargs["hidden_states"]})
+
+    layers = original.model.layers
+    hooks = [layer.self_attn.register_forward_pre_hook(keep(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    ids = torch.randint(3, 500, (1, LENGTH), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        out = original(ids, output_attentions=True)
+        for hook in hooks:
+            hook.remove()
+        model = build_converted_model(original, [], {}).model
+        lisa_attention = import_remote("lisa_attention")
+        positions = torch.arange(LENGTH).unsqueeze(0)
+        for idx, layer in enumerate(model.layers):
+            attn, kind = layer.self_attn, model.config.attention_types[idx]
+            assert kind == original.config.layer_types[idx] and attn.scaling == 16**-0.5
+            cos_sin = lisa_attention.rotary_embeddings(model.rotary_emb, inputs[idx], positions, [kind])[kind]
+            scores = full_attention_scores(attn, inputs[idx], cos_sin)
+            got = torch.softmax(scores + causal_mask(LENGTH, window=attn.sliding_window), dim=-1)
+            torch.testing.assert_close(got, out.attentions[idx], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(model.embed_tokens(ids), original.model.embed_tokens(ids))
+    full, sliding = (
+        lisa_attention.lowrank_rotary(model.config, 8, positions, torch.float32, kind)
+        for kind in ("full_attention", "sliding_attention")
+    )
+    assert not torch.allclose(full[0], sliding[0])  # a LISA layer's low-rank RoPE has its type's base
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen2"])
+def test_streamed_layers_equal_transformers(name, checkpoints):
+    """What the pipeline computes layer by layer (`LayerStream`: its embedding, each layer with the (cos, sin) of its
+    attention type, the head) gives transformers' logits: Gemma 3's scaled embedding and per-type RoPE bases
+    included."""
+    original = CASES[name][1].from_pretrained(checkpoints[name]).eval()
+    stream = LayerStream(original.config, Checkpoint(checkpoints[name], name), torch.device("cpu"))
+    ids = torch.randint(3, 500, (2, LENGTH), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        hidden = stream.embed([ids])[0]
+        for idx in range(stream.num_layers):
+            hidden, _ = stream.run(stream.original_layer(idx), hidden)
+        norm, lm_head = stream.head()
+        torch.testing.assert_close(norm(hidden) @ lm_head.T, original(ids).logits, atol=1e-4, rtol=1e-4)
+
+
 # ------------------------------------------------------------------------------------------- LISA across windows
 def shared_model(name: str, spec: dict) -> torch.nn.Module:
     """The tiny model of `name` with the LISA layers of `spec` (random modules, sparse ones reading permuted heads)."""
@@ -177,6 +243,8 @@ WINDOW_SPECS = {
     "qwen2 sparse": ("qwen2", {"3": {"rank": 4, "align": "sparse"}}),
     "qwen2 dense": ("qwen2", {"3": {"rank": 4, "align_hidden": 8}}),
     "mistral sparse then dense": ("mistral", {"2": {"rank": 4, "align": "sparse"}, "3": {"rank": 2, "align_hidden": 4}}),
+    # a sliding LISA layer and a full one, each with its type's low-rank RoPE base
+    "gemma3 dense, sparse": ("gemma3", {"1": {"rank": 4, "align_hidden": 8}, "3": {"rank": 4, "align": "sparse"}}),
 }
 
 
@@ -234,8 +302,10 @@ CONVERT = {
     "mistral": ["--lisa-layers", "2"],
     "qwen2": ["--share-ratio", "0.5"],
     "qwen3": ["--lisa-layers", "2,3", "--lisa-align", "dense"],
+    # one sliding, one full; saved as bfloat16: the reload check sees the embedding scale as the reloaded model does
+    "gemma3": ["--lisa-layers", "1,3", "--dtype", "bfloat16"],
 }
-EXPECTED_LISA_LAYERS = {"mistral": [2], "qwen2": [1, 3], "qwen3": [2, 3]}
+EXPECTED_LISA_LAYERS = {"mistral": [2], "qwen2": [1, 3], "qwen3": [2, 3], "gemma3": [1, 3]}
 
 _LOAD = r"""
 import json, sys
@@ -293,7 +363,7 @@ def tensor_names(out: Path) -> set[str]:
 
 
 @pytest.mark.parametrize(
-    "name", ["qwen2", pytest.param("mistral", marks=pytest.mark.slow), pytest.param("qwen3", marks=pytest.mark.slow)]
+    "name", ["qwen2", *(pytest.param(name, marks=pytest.mark.slow) for name in ("mistral", "qwen3", "gemma3"))]
 )  # about 30 s each on 2 cores: Qwen2 (biases, windows, the type rule in the ratio) in the fast tier
 def test_convert_writes_a_repo_that_loads_and_generates(name, convert_and_load):
     out, loaded = convert_and_load(name)
@@ -318,9 +388,13 @@ def test_convert_writes_a_repo_that_loads_and_generates(name, convert_and_load):
         assert {prefix + "q_lowrank.weight", prefix + "k_lowrank.weight"} <= names
         v_bias = {prefix + "v_proj.bias", prefix + "v_proj.proj_out.bias"} & names  # dense or factorised
         o_bias = {prefix + "o_proj.bias", prefix + "o_proj.proj_out.bias"} & names
-        assert bool(v_bias) == (name != "mistral") and bool(o_bias) == (name == "qwen3")  # qwen3: attention_bias
+        assert bool(v_bias) == (name in ("qwen2", "qwen3")) and bool(o_bias) == (name == "qwen3")  # qwen3: bias
     if name == "qwen3":
         assert "model.layers.1.self_attn.q_norm.weight" in names  # the anchor keeps its q/k norms
+    if name == "gemma3":
+        assert "model.layers.2.self_attn.q_norm.weight" in names and "lm_head.weight" not in names  # tied
+        mlp_norms = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+        assert {f"model.layers.3.{norm}.weight" for norm in mlp_norms} <= names
 
 
 # ------------------------------------------------------------------------------------------- unsupported families
@@ -332,6 +406,9 @@ def test_unsupported_model_type_is_refused_by_name(model_type, tiny_llama_dir, t
     out = tmp_path / "out"
     result = CliRunner().invoke(app, ["convert", str(tiny_llama_dir), "--out", str(out)])
     assert result.exit_code == 2, result.output
-    supported = "llama (LlamaForCausalLM), mistral (MistralForCausalLM), qwen2 (Qwen2ForCausalLM), qwen3 (Qwen3ForCausalLM)"
+    supported = (
+        "llama (LlamaForCausalLM), mistral (MistralForCausalLM), qwen2 (Qwen2ForCausalLM), qwen3 (Qwen3ForCausalLM), "
+        "gemma3_text (Gemma3ForCausalLM)"
+    )
     assert f"'{model_type}' model" in result.output and f"supports only: {supported}" in result.output
     assert not out.exists()

@@ -248,7 +248,7 @@ def no_gguf_parsing(monkeypatch):
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", forbidden)
 
 
-@pytest.mark.parametrize("architecture, big_endian", [("gemma3", False), ("mamba", False), ("qwen2", True)])
+@pytest.mark.parametrize("architecture, big_endian", [("gemma2", False), ("mamba", False), ("qwen2", True)])
 def test_unsupported_gguf_refused_from_its_header(tmp_path, no_gguf_parsing, architecture, big_endian):
     path = write_gguf(tmp_path / f"{architecture}.gguf", architecture, vocab=4096, big_endian=big_endian)
     result = runner.invoke(app, ["convert", str(path), "--out", str(tmp_path / "o")])

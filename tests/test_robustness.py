@@ -132,7 +132,7 @@ def test_unsupported_architecture(tiny_llama_dir, tmp_path):
         assert_refused(
             result, 2, "'mamba' model",
             "supports only: llama (LlamaForCausalLM), mistral (MistralForCausalLM), qwen2 (Qwen2ForCausalLM), "
-            "qwen3 (Qwen3ForCausalLM)", out=out,
+            "qwen3 (Qwen3ForCausalLM), gemma3_text (Gemma3ForCausalLM)", out=out,
         )  # fmt: skip
 
 

@@ -67,9 +67,9 @@ class Family:
 
 
 def _families() -> dict[str, Family]:
-    from . import llama, mistral, qwen2, qwen3
+    from . import gemma3, llama, mistral, qwen2, qwen3
 
-    return {module.FAMILY.name: module.FAMILY for module in (llama, mistral, qwen2, qwen3)}
+    return {module.FAMILY.name: module.FAMILY for module in (llama, mistral, qwen2, qwen3, gemma3)}
 
 
 FAMILIES: dict[str, Family] = _families()

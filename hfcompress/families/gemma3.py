@@ -1,0 +1,27 @@
+"""Gemma 3 (text): embeddings scaled by sqrt(hidden), RMSNorm with (1 + w), norms after the attention and around the
+MLP, per-head q/k norms, GeGLU, tied embeddings, an explicit `head_dim` and attention scaled by
+`query_pre_attn_scalar`, and sliding-window layers interleaved with full ones, each attention type with its own RoPE
+base."""
+
+from . import Family
+
+FAMILY = Family(
+    name="gemma3",
+    title="Gemma 3",
+    model_types=("gemma3_text",),
+    transformers_config="Gemma3TextConfig",
+    transformers_causal_lm="Gemma3ForCausalLM",
+    converted_model_type="lisa_gemma3",
+    config_module="configuration_lisa_gemma3",
+    modeling_module="modeling_lisa_gemma3",
+    config_class="LisaGemma3Config",
+    model_class="LisaGemma3Model",
+    causal_lm_class="LisaGemma3ForCausalLM",
+    decoder_layer_class="LisaGemma3DecoderLayer",
+    norm_class="Gemma3RMSNorm",
+    rotary_class="LisaGemma3RotaryEmbedding",
+    required_fields=(
+        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "head_dim",
+    ),  # fmt: skip
+    gguf_architectures=("gemma3",),
+)

@@ -59,14 +59,16 @@ class LayerStream:
         self.family = family_of(source_config)
         self.modeling = self.family.modeling()
         self.lisa_attention = import_remote("lisa_attention")
-        self.decoder_layer = getattr(self.modeling, self.family.decoder_layer_class)
+        # the classes the family's converted model is built from (its LisaModel subclass names them)
+        self.model_class = getattr(self.modeling, self.family.model_class)
+        self.decoder_layer = self.model_class.decoder_layer_class
         self.source_config = source_config
         self.checkpoint = checkpoint
         self.device = device
         self.batch_size = batch_size
         self.config = self.layer_config({})  # the original model, in the converted classes
         self.num_layers = self.config.num_hidden_layers
-        self.rotary_emb = getattr(self.modeling, self.family.rotary_class)(config=self.config).to(device)
+        self.rotary_emb = self.model_class.rotary_class(config=self.config).to(device)
         with torch.device("meta"):
             self.layer_keys = list(self.decoder_layer(self.config, 0).state_dict())
 
@@ -131,7 +133,7 @@ class LayerStream:
         tied = self.config.tie_word_embeddings
         names = ["model.norm.weight", "model.embed_tokens.weight" if tied else "lm_head.weight"]
         tensors = {k: _rounded(v, rounded_to) for k, v in self.checkpoint.load(names).items()}
-        norm = getattr(self.modeling, self.family.norm_class)(self.config.hidden_size, eps=self.config.rms_norm_eps)
+        norm = self.model_class.norm_class(self.config.hidden_size, eps=self.config.rms_norm_eps)
         norm.weight.data = tensors[names[0]].float()
         return norm.to(self.device).requires_grad_(False), tensors[names[1]].to(self.device, torch.float32)
 

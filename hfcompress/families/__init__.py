@@ -30,9 +30,6 @@ class Family:
     config_class: str  # class names in those modules
     model_class: str
     causal_lm_class: str
-    decoder_layer_class: str  # in the modeling module: what LayerStream builds one layer from
-    norm_class: str  # the final norm (LayerStream's head)
-    rotary_class: str  # the rotary embedding (LayerStream's cos/sin)
     # config.json fields a source must define (transformers' defaults would be another model's shapes); a custom-code
     # source of an unknown model_type that has Llama's is converted as Llama
     required_fields: tuple[str, ...]

@@ -17,9 +17,6 @@ FAMILY = Family(
     config_class="LisaGemma3Config",
     model_class="LisaGemma3Model",
     causal_lm_class="LisaGemma3ForCausalLM",
-    decoder_layer_class="LisaGemma3DecoderLayer",
-    norm_class="Gemma3RMSNorm",
-    rotary_class="LisaGemma3RotaryEmbedding",
     required_fields=(
         "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "head_dim",
     ),  # fmt: skip

@@ -15,9 +15,6 @@ FAMILY = Family(
     config_class="LisaLlamaConfig",
     model_class="LisaLlamaModel",
     causal_lm_class="LisaLlamaForCausalLM",
-    decoder_layer_class="LisaLlamaDecoderLayer",
-    norm_class="LlamaRMSNorm",
-    rotary_class="LlamaRotaryEmbedding",
     required_fields=("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"),
     gguf_architectures=("llama",),
 )

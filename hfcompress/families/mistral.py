@@ -15,8 +15,5 @@ FAMILY = Family(
     config_class="LisaMistralConfig",
     model_class="LisaMistralModel",
     causal_lm_class="LisaMistralForCausalLM",
-    decoder_layer_class="LisaMistralDecoderLayer",
-    norm_class="MistralRMSNorm",
-    rotary_class="MistralRotaryEmbedding",
     required_fields=("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"),
 )

@@ -15,8 +15,5 @@ FAMILY = Family(
     config_class="LisaQwen2Config",
     model_class="LisaQwen2Model",
     causal_lm_class="LisaQwen2ForCausalLM",
-    decoder_layer_class="LisaQwen2DecoderLayer",
-    norm_class="Qwen2RMSNorm",
-    rotary_class="Qwen2RotaryEmbedding",
     required_fields=("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"),
 )

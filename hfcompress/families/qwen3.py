@@ -15,9 +15,6 @@ FAMILY = Family(
     config_class="LisaQwen3Config",
     model_class="LisaQwen3Model",
     causal_lm_class="LisaQwen3ForCausalLM",
-    decoder_layer_class="LisaQwen3DecoderLayer",
-    norm_class="Qwen3RMSNorm",
-    rotary_class="Qwen3RotaryEmbedding",
     required_fields=(
         "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "head_dim",
     ),  # fmt: skip

@@ -347,7 +347,7 @@ class LisaAttention(nn.Module):
 
     def qk_norm(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Query and key (B, T, heads, head_dim) between projection and RoPE: unchanged here; families with per-head
-        q/k norms (Qwen3) override it."""
+        q/k norms use LisaQkNormAttention."""
         return query, key
 
     def query_key(
@@ -409,6 +409,21 @@ class LisaAttention(nn.Module):
             )
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         return self.o_proj(attn_output), passed
+
+
+class LisaQkNormAttention(LisaAttention):
+    """Full attention with a per-head RMSNorm on the query and the key between projection and RoPE (Qwen3, Gemma 3);
+    `qk_norm_class` is the family's RMSNorm."""
+
+    qk_norm_class: type[nn.Module]
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.q_norm = self.qk_norm_class(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = self.qk_norm_class(self.head_dim, eps=config.rms_norm_eps)
+
+    def qk_norm(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q_norm(query), self.k_norm(key)
 
 
 def rope_theta(config, attention_type: str = "full_attention") -> float:

@@ -19,12 +19,12 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3MLP, Gemma3RMSNorm,
 from .configuration_lisa_gemma3 import LisaGemma3Config
 from .lisa_attention import (
     FascLinear,
-    LisaAttention,
     LisaAttentionWeights,
     LisaDecoderLayer,
     LisaForCausalLM,
     LisaModel,
     LisaPreTrainedModel,
+    LisaQkNormAttention,
 )
 
 
@@ -67,18 +67,15 @@ class LisaGemma3RotaryEmbedding(Gemma3RotaryEmbedding):
         return rope_init_fn(self.config, device, layer_type=layer_type)
 
 
-class LisaGemma3Attention(LisaAttention):
+class LisaGemma3Attention(LisaQkNormAttention):
     """Gemma 3 attention: q_norm and k_norm over each head's features before RoPE, scores scaled by
     query_pre_attn_scalar**-0.5."""
+
+    qk_norm_class = Gemma3RMSNorm
 
     def __init__(self, config: LisaGemma3Config, layer_idx: int):
         super().__init__(config, layer_idx)
         self.scaling = config.query_pre_attn_scalar**-0.5
-        self.q_norm = Gemma3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = Gemma3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-
-    def qk_norm(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.q_norm(query), self.k_norm(key)
 
 
 class LisaGemma3DecoderLayer(LisaDecoderLayer):

@@ -8,31 +8,24 @@ applies to the features and scores it hands on; a shared layer has no q/k, so it
 `head_dim` is explicit, biases follow `attention_bias`, and `layer_types` sets each layer's window as in Qwen2.
 """
 
-import torch
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 from .configuration_lisa_qwen3 import LisaQwen3Config
 from .lisa_attention import (
     FascLinear,
-    LisaAttention,
     LisaAttentionWeights,
     LisaDecoderLayer,
     LisaForCausalLM,
     LisaModel,
     LisaPreTrainedModel,
+    LisaQkNormAttention,
 )
 
 
-class LisaQwen3Attention(LisaAttention):
+class LisaQwen3Attention(LisaQkNormAttention):
     """Qwen3 attention: q_norm and k_norm over each head's features, between the projection and RoPE."""
 
-    def __init__(self, config: LisaQwen3Config, layer_idx: int):
-        super().__init__(config, layer_idx)
-        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-
-    def qk_norm(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.q_norm(query), self.k_norm(key)
+    qk_norm_class = Qwen3RMSNorm
 
 
 class LisaQwen3DecoderLayer(LisaDecoderLayer):

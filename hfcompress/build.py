@@ -101,10 +101,14 @@ def parameter_counts(model: nn.Module) -> dict[str, int]:
 
 
 def count_parameters(sizes: dict[str, int]) -> dict[str, int]:
-    """{parameter name: numel} (each tensor once) split into attention Q/K, other attention, MLP, rest."""
-    counts = {"total": 0, "attention_qk": 0, "attention_other": 0, "mlp": 0, "other": 0}
+    """{parameter name: numel} (each tensor once) split into attention Q/K, other attention, MLP, rest; also the
+    embeddings (input and, untied, output: most of a small model with a large vocabulary, e.g. 63% of Gemma-3-270M)
+    and the total without them."""
+    counts = {"total": 0, "attention_qk": 0, "attention_other": 0, "mlp": 0, "other": 0, "embeddings": 0}
     for name, numel in sizes.items():
         counts["total"] += numel
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            counts["embeddings"] += numel
         if any(part in name for part in ("q_proj", "k_proj", "q_norm", "k_norm")) or is_lisa_parameter(name):
             counts["attention_qk"] += numel
         elif "self_attn" in name:
@@ -113,6 +117,7 @@ def count_parameters(sizes: dict[str, int]) -> dict[str, int]:
             counts["mlp"] += numel
         else:
             counts["other"] += numel
+    counts["without_embeddings"] = counts["total"] - counts["embeddings"]
     return counts
 
 

@@ -11,6 +11,7 @@ Results are cached on disk under a key of (model, text, settings), so a rerun re
 import hashlib
 import json
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -24,6 +25,19 @@ RHO_PROBES = 64
 
 def cache_key(*parts: object) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+@cache
+def code_fingerprint() -> str:
+    """Hash of hfcompress's and the converted modeling's source: part of the work-directory key, so that a rerun
+    after an upgrade or a fix recomputes instead of reusing statistics, fits or trained weights of the old code."""
+    from .remote import modeling_dir
+
+    digest = hashlib.sha256()
+    files = {*Path(__file__).resolve().parent.rglob("*.py"), *modeling_dir().glob("*.py")}  # rglob: modeling in a wheel
+    for path in sorted(files):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def tensor_fingerprint(ids: torch.Tensor) -> str:

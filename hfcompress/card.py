@@ -10,6 +10,7 @@ directory can be rendered again from its updated `hfcompress_report.json`.
 
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
@@ -19,6 +20,30 @@ from .remote import cards_dir
 
 TEMPLATE = "model_card.md.j2"
 LICENCE_FILE_PREFIXES = ("LICENSE", "LICENCE", "NOTICE", "USE_POLICY")  # file names starting so, in any case
+LICENCE_FILE_WORDS = ("TERMS",)  # or containing so (GEMMA_TERMS.html)
+NOTICE_FILE = "NOTICE"
+
+
+@dataclass(frozen=True)
+class CustomLicence:
+    """A Hub licence id whose terms are not an SPDX licence, and what they ask of a redistributed derivative."""
+
+    name: str
+    link: str
+    notice: str  # the line the terms require in a "Notice" text file shipped with the model
+    terms_marker: str  # a phrase of the terms' own text: a copied file containing it is a copy of the terms
+
+
+# Gemma Terms of Use, section 3.1: a redistributed Gemma Model Derivative carries a copy of the terms, a notice that
+# it was modified, and this line in a "Notice" text file.
+CUSTOM_LICENCES = {
+    "gemma": CustomLicence(
+        name="Gemma Terms of Use",
+        link="https://ai.google.dev/gemma/terms",
+        notice="Gemma is provided under and subject to the Gemma Terms of Use found at ai.google.dev/gemma/terms",
+        terms_marker="Gemma Terms of Use",
+    ),
+}
 # The Hub's four relations are adapter, merge, quantized and finetune. This model is none of the first three: its
 # weights are complete (no adapter to load on top of the base), derived from one model (no merge), and not a
 # lower-precision encoding of the base weights (quantized): layers lose their Q/K projections, linears are refactored
@@ -35,28 +60,28 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
 
 # ------------------------------------------------------------------------------------------------------- licence
-def licence_files(directory: Path) -> list[Path]:
-    """The licence files in a model directory (LICENSE*, LICENCE*, NOTICE*, USE_POLICY*, any case), top level only.
+def is_licence_file(name: str) -> bool:
+    upper = name.upper()
+    return upper.startswith(LICENCE_FILE_PREFIXES) or any(word in upper for word in LICENCE_FILE_WORDS)
 
-    Files, not directories; a Hub snapshot's files are links into the cache, so links to files count."""
+
+def licence_files(directory: Path) -> list[Path]:
+    """The licence files in a model directory (LICENSE*, LICENCE*, NOTICE*, USE_POLICY*, *TERMS*, any case), top
+    level only. Files, not directories; a Hub snapshot's files are links into the cache, so links to files count."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    return sorted(p for p in directory.iterdir() if p.name.upper().startswith(LICENCE_FILE_PREFIXES) and p.is_file())
+    return sorted(p for p in directory.iterdir() if is_licence_file(p.name) and p.is_file())
 
 
 def _gguf_licence(path: Path) -> dict:
-    """license, license_name, license_link, language from a GGUF's metadata (general.*); tensors are not read."""
-    from gguf import GGUFReader
+    """license, license_name, license_link, language from a GGUF's metadata (general.*), read from its header alone."""
+    from .source import gguf_header_strings
 
-    reader = GGUFReader(str(path))
-
-    def value(key: str):
-        field = reader.get_field(key)
-        return field.contents() if field is not None else None
-
-    return {"license": value("general.license"), "license_name": value("general.license.name"),
-            "license_link": value("general.license.link"), "language": value("general.languages")}
+    keys = {"license": "general.license", "license_name": "general.license.name", "license_link": "general.license.link",
+            "language": "general.languages"}
+    values = gguf_header_strings(path, set(keys.values()), stop_after="tokenizer.ggml.model")
+    return {field: values.get(key) for field, key in keys.items()}
 
 
 def declared_licence(source: dict) -> tuple[dict, str | None, str | None]:
@@ -82,21 +107,41 @@ def declared_licence(source: dict) -> tuple[dict, str | None, str | None]:
     return fields, where, None if fields["license"] else f"{where} declares no license"
 
 
-def carry_licence(source: dict, directory: Path) -> dict:
-    """Copy the source's licence files into `directory`; the record of the licence the card states (report.licence).
+def carry_licence(source: dict, directory: Path, extra_files: list[Path] = ()) -> dict:
+    """Copy the source's licence files, and `extra_files` (--licence-file), into `directory`; the record of the licence
+    the card states (report.licence). For a custom licence hfcompress knows (CUSTOM_LICENCES: Gemma's), its name and
+    link fill what the source leaves out, and the notice its terms require is written into NOTICE.
 
     Keys: license, license_name, license_link, language (as the source declares them, or None), declared_in (where
-    they were read), unknown_because (why there is no licence), files (the names copied)."""
+    they were read), unknown_because (why there is no licence), files (the names copied or written), notice (the
+    required notice line, or None), terms_copied (whether a copy of those terms is among the files; None when the
+    licence asks for none)."""
     fields, where, why_not = declared_licence(source)
-    copied = []
-    for path in licence_files(Path(source["path"])):
-        shutil.copyfile(path, Path(directory) / path.name)  # the content, also when the snapshot file is a link
-        copied.append(path.name)
+    directory = Path(directory)
+    copied: list[str] = []
+    for path in [*licence_files(Path(source["path"])), *map(Path, extra_files)]:
+        shutil.copyfile(path, directory / path.name)  # the content, also when the snapshot file is a link
+        if path.name not in copied:
+            copied.append(path.name)
     link = fields["license_link"]
     if link and "://" not in link and link.removeprefix("./") not in copied:  # a link relative to the source repo, to a file not copied
         repo, commit = source.get("repo_id"), source.get("commit_sha") or source.get("revision")
         fields["license_link"] = f"https://huggingface.co/{repo}/blob/{commit}/{link}" if repo and commit else None
-    return {**fields, "declared_in": where, "unknown_because": why_not, "files": copied}
+    notice, terms_copied = None, None
+    custom = CUSTOM_LICENCES.get(str(fields["license"]).lower())
+    if custom is not None:
+        fields["license_name"] = fields["license_name"] or custom.name
+        fields["license_link"] = fields["license_link"] or custom.link
+        notice = custom.notice
+        texts = {name: (directory / name).read_text(errors="replace") for name in copied}
+        terms_copied = any(custom.terms_marker in text for name, text in texts.items() if name != NOTICE_FILE)
+        existing = texts.get(NOTICE_FILE, "")
+        if notice not in existing:
+            (directory / NOTICE_FILE).write_text(existing + ("\n" if existing and not existing.endswith("\n") else "") + notice + "\n")
+            if NOTICE_FILE not in copied:
+                copied.append(NOTICE_FILE)
+    return {**fields, "declared_in": where, "unknown_because": why_not, "files": sorted(copied), "notice": notice,
+            "terms_copied": terms_copied}
 
 
 # ------------------------------------------------------------------------------------------------- model-index
@@ -254,8 +299,8 @@ def render_card(report: dict, repo_id: str) -> ModelCard:
         distill=distill,
         calibration=report.get("calibration", {}),
         calibration_dataset=calibration_dataset,
-        params_original=report["parameters"]["original"]["total"],
-        params_converted=report["parameters"]["converted"]["total"],
+        params_original=report["parameters"]["original"],
+        params_converted=report["parameters"]["converted"],
         reload_diff=(validation.get("reload") or {}).get("max_abs_logit_diff"),
         plots=report.get("plots", {}),
         probe=validation.get("probe", {}),

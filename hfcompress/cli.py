@@ -119,6 +119,9 @@ def convert(
     dtype: str = typer.Option("auto", help="Saved weights: auto (the source's dtype; bfloat16 for GGUF), float32, bfloat16, float16."),
     device: str = typer.Option("auto", help="Where layers are computed: auto (the first CUDA device, else CPU), cpu, cuda, cuda:N."),
     max_shard_size: str = typer.Option("2GB", help="Largest output safetensors shard, e.g. 2GB or 500MB."),
+    licence_file: list[Path] = typer.Option(
+        None, "--licence-file", help="A licence or terms file to ship with the model besides the source's own (repeatable), e.g. the Gemma Terms of Use for a GGUF that came without them."
+    ),
     layer_by_layer: bool = typer.Option(
         False, "--layer-by-layer", hidden=True, help="No effect: every conversion streams layer by layer."
     ),
@@ -150,6 +153,7 @@ def convert(
             dtype=dtype,
             device=device,
             max_shard_size=max_shard_size,
+            licence_files=list(licence_file or []),
             lisa=LisaOptions(
                 share_ratio=share_ratio,
                 layers=_layers(lisa_layers),

@@ -64,6 +64,7 @@ class ConvertOptions:
     dtype: str = "auto"  # saved weights: auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto (first CUDA device, else CPU) | cpu | cuda | cuda:N
     max_shard_size: str = "2GB"
+    licence_files: list[Path] = field(default_factory=list)  # --licence-file: terms to ship beside the source's own
     lisa: LisaOptions = field(default_factory=LisaOptions)
     fasc: FascOptions = field(default_factory=FascOptions)
     distill: DistillOptions = field(default_factory=DistillOptions)
@@ -105,6 +106,11 @@ class ConvertOptions:
                     raise HFValidationError("no namespace")
             except HFValidationError:
                 raise HfcompressError(f"--push-to '{self.push_to}' is not a Hub repo id: write it as user/name.") from None
+        for path in self.licence_files:
+            if not Path(path).is_file():
+                raise HfcompressError(f"--licence-file {path} is not a file: name the licence or terms file to ship with the model.")
+            if Path(path).name in ("README.md", "config.json") or Path(path).suffix in (".py", ".safetensors"):
+                raise HfcompressError(f"--licence-file {path} would overwrite a file of the model: pass only licence or terms files.")
         if self.private and not self.push_to:
             raise HfcompressError("--private only applies to a push: add --push-to user/name, or drop --private.")
 

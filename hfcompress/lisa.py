@@ -25,6 +25,11 @@ from .progress import console, progress_bar
 from .remote import import_remote
 
 DEFAULT_SHARE_RATIO = 0.2
+# Input RMS at which --lisa-lr is the low-rank Q/K weights' own Adam rate (SmolLM2's deep layers, where the defaults
+# were measured). Adam's step has a fixed size in weight space, so its effect on the low-rank scores grows with the
+# input's scale: the weights' rate and initial scale are multiplied by LOWRANK_INPUT_RMS / RMS(input). Gemma 3's
+# inputs are 4-10x SmolLM2's; at the unscaled rate its fits diverged (benchmarks/results-gemma3-lisa-run.log).
+LOWRANK_INPUT_RMS = 0.35
 
 
 @dataclass
@@ -321,9 +326,11 @@ def fit_shared_layer(
     module.v_proj.requires_grad_(False)
     module.o_proj.requires_grad_(False)
     generator = torch.Generator().manual_seed(options.seed * 1000 + layer_idx)
+    input_scale = LOWRANK_INPUT_RMS / x.float().pow(2).mean().sqrt().clamp_min(1e-6).item()
     with torch.no_grad():
         for lin in (module.q_lowrank, module.k_lowrank):
-            lin.weight.copy_(torch.randn(lin.weight.shape, generator=generator) * 0.3 / math.sqrt(config.hidden_size))
+            std = 0.3 / math.sqrt(config.hidden_size) * input_scale
+            lin.weight.copy_(torch.randn(lin.weight.shape, generator=generator) * std)
         if align == "dense":
             if module.align.ffn_in is not None:
                 w = module.align.ffn_in.weight
@@ -355,9 +362,14 @@ def fit_shared_layer(
         module.align.requires_grad_(False)
     target_power = target.pow(2).mean()
 
-    trainable = [p for p in module.parameters() if p.requires_grad and p.numel()]  # none: identity Align, rank 0
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and p.numel()]  # none: identity, rank 0
+    trainable = [p for _, p in named]
     if trainable:
-        optimizer = torch.optim.Adam(trainable, lr=options.lr)
+        groups = [
+            {"params": [p for n, p in named if n.startswith(("q_lowrank", "k_lowrank"))], "lr": options.lr * input_scale},
+            {"params": [p for n, p in named if not n.startswith(("q_lowrank", "k_lowrank"))], "lr": options.lr},
+        ]
+        optimizer = torch.optim.Adam([g for g in groups if g["params"]])
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, options.steps))
 
     def loss_on(idx: torch.Tensor) -> torch.Tensor:

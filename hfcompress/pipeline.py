@@ -38,7 +38,7 @@ from .build import (
     save_companion_files,
     write_output_dir,
 )
-from .calibrate import cache_key, new_linear_stats, tensor_fingerprint, track_linear_stats
+from .calibrate import cache_key, code_fingerprint, new_linear_stats, tensor_fingerprint, track_linear_stats
 from .card import carry_licence, write_card
 from .checkpoint import Checkpoint, check_checkpoint, open_checkpoint, pack_shards, save_tensors
 from .config import ConvertOptions, resolve_device
@@ -421,7 +421,7 @@ def fetch(run: Run, methods: list[Method], token: str | None = None) -> Fetched:
     run.stream = LayerStream(source_config, checkpoint, run.device)
     share = len(sequences) // processes.count
     run.sequences = sequences[processes.index * share : (processes.index + 1) * share]
-    run.calib_dir = options.cache_dir / cache_key(source_identity(source), tensor_fingerprint(sequences))
+    run.calib_dir = options.cache_dir / cache_key(source_identity(source), tensor_fingerprint(sequences), code_fingerprint())
     run.bind(methods)
     return Fetched(source, tokenizer, checkpoint, source_config, streams)
 
@@ -538,7 +538,7 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> Report:
         report.plots = write_plots(report.to_dict(), directory / "plots")
         report.wall_seconds = round(time.perf_counter() - run.started, 1)
         report.memory = {**peak_memory(), "peak_rss_mb_after_step": run.peaks}
-        report.licence = carry_licence(report.source, directory)
+        report.licence = carry_licence(report.source, directory, options.licence_files)
         write_card(report.to_dict(), repo_id, directory)
         report.save(directory)
 

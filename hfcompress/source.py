@@ -175,11 +175,13 @@ class _Truncated(Exception):
     pass
 
 
-def gguf_architecture(path: Path) -> str:
-    """`general.architecture` from a GGUF file's header, reading only the key/value pairs before it (llama.cpp
-    writes it first): no tensor data, and none of the tokenizer arrays that gguf's GGUFReader (and so transformers)
-    parses in full, which takes tens of seconds for a large vocabulary."""
+def gguf_header_strings(path: Path, keys: set[str], stop_after: str | None = None) -> dict[str, str | list[str]]:
+    """The string (or string-array) values of `keys` in a GGUF file's header, read key by key without parsing any
+    other value (seeking past them) and stopping after `stop_after` or once all were found: no tensor data, and none
+    of the tokenizer arrays that gguf's GGUFReader (and so transformers) parses in full, which takes tens of seconds
+    for a large vocabulary."""
     size = path.stat().st_size
+    found: dict[str, str | list[str]] = {}
     with open(path, "rb") as f:
 
         def read(n: int) -> bytes:
@@ -207,6 +209,9 @@ def gguf_architecture(path: Path) -> str:
             def number(fmt: str) -> int:
                 return struct.unpack(order + fmt, read(struct.calcsize(fmt)))[0]
 
+            def string() -> str:
+                return read(number("Q")).decode("utf-8", errors="replace")
+
             def skip(kind: int) -> None:
                 if kind in _GGUF_SCALAR_BYTES:
                     f.seek(_GGUF_SCALAR_BYTES[kind], os.SEEK_CUR)
@@ -226,19 +231,37 @@ def gguf_architecture(path: Path) -> str:
 
             number("Q")  # tensor count
             for _ in range(number("Q")):  # key/value count
-                key = read(number("Q"))
+                key = read(number("Q")).decode("utf-8", errors="replace")
                 kind = number("I")
-                if key == b"general.architecture" and kind == _GGUF_STRING:
-                    return read(number("Q")).decode("utf-8", errors="replace")
-                skip(kind)
+                if key in keys and kind == _GGUF_STRING:
+                    found[key] = string()
+                elif key in keys and kind == _GGUF_ARRAY:
+                    item, count = number("I"), number("Q")
+                    if item == _GGUF_STRING:
+                        found[key] = [string() for _ in range(count)]
+                    else:
+                        f.seek(-12, os.SEEK_CUR)  # not strings: skip the array whole
+                        skip(kind)
+                else:
+                    skip(kind)
+                if key == stop_after or len(found) == len(keys):
+                    break
         except (_Truncated, struct.error, OverflowError, ValueError):
             raise HfcompressError(
                 f"{path} is a truncated or damaged GGUF file (its header cannot be read): download it again."
             ) from None
-    raise HfcompressError(
-        f"{path} names no architecture (no general.architecture in its GGUF header): it is not a llama.cpp model "
-        "file; pass a Llama GGUF, a model directory or a Hub id."
-    )
+    return found
+
+
+def gguf_architecture(path: Path) -> str:
+    """`general.architecture` from a GGUF file's header (llama.cpp writes it first)."""
+    architecture = gguf_header_strings(path, {"general.architecture"}, stop_after="general.architecture")
+    if "general.architecture" not in architecture:
+        raise HfcompressError(
+            f"{path} names no architecture (no general.architecture in its GGUF header): it is not a llama.cpp model "
+            "file; pass a Llama GGUF, a model directory or a Hub id."
+        )
+    return architecture["general.architecture"]
 
 
 def check_gguf_architecture(path: Path) -> None:

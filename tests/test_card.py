@@ -97,7 +97,7 @@ def test_converted_card_carries_the_source_licence_and_files(converted, report):
     assert (converted / "USE_POLICY.md").is_file() and not (converted / "licenses").exists()
     assert report["licence"]["files"] == ["LICENSE", "USE_POLICY.md"]
     assert report["licence"]["declared_in"] == "the source's model card (README.md)"
-    assert "Copied from the source into this repo: `LICENSE`, `USE_POLICY.md`." in card.text
+    assert "Licence files in this repo: `LICENSE`, `USE_POLICY.md`." in card.text
     assert "`llama3.2` (llama3.2-community)" in card.text
 
 
@@ -334,3 +334,58 @@ def test_hub_dataset_text_records_its_split(monkeypatch):
     assert loaded.dataset == text.HubDataset("org/corpus", "cfg", "test", "d" * 40)
     assert text.hub_dataset(loaded.name) == {"id": "org/corpus", "config": "cfg", "split": "test", "revision": "d" * 40}
     assert text.hub_dataset(text.BUILTIN_TEXT_NAME) is None
+
+
+# ------------------------------------------------------------------------------------------ a custom licence: Gemma
+GEMMA_NOTICE = "Gemma is provided under and subject to the Gemma Terms of Use found at ai.google.dev/gemma/terms"
+
+
+def test_gemma_licence_notice_terms_and_link(report, tmp_path):
+    """A source declaring `license: gemma` (no name, no link, no files, as the Gemma GGUF's metadata): the card names
+    the terms and links them, NOTICE carries the line the terms require, and the missing copy of the terms is said;
+    with --licence-file naming a copy, it ships and the card says so."""
+    source, out = tmp_path / "source", tmp_path / "out"
+    source.mkdir()
+    out.mkdir()
+    (source / "README.md").write_text("---\nlicense: gemma\n---\n")
+    record = carry_licence({"path": str(source), "gguf_file": None}, out)
+    assert (record["license_name"], record["license_link"]) == ("Gemma Terms of Use", "https://ai.google.dev/gemma/terms")
+    assert record["files"] == ["NOTICE"] and (out / "NOTICE").read_text() == GEMMA_NOTICE + "\n"
+    assert record["terms_copied"] is False
+    card = render_card({**copy.deepcopy(report), "licence": record}, REPO)
+    assert header(card)["license"] == "gemma" and header(card)["license_link"] == "https://ai.google.dev/gemma/terms"
+    assert GEMMA_NOTICE in card.text and "must accompany this model when it is redistributed" in card.text
+
+    terms = tmp_path / "GEMMA_TERMS.html"
+    terms.write_text("<html><h1>Gemma Terms of Use</h1> (test copy)</html>")
+    (source / "NOTICE.md").write_text("where the files came from\n")
+    (source / "NOTICE").write_text("Copyright the source\n")  # an existing NOTICE gets the line appended
+    again = tmp_path / "again"
+    again.mkdir()
+    record = carry_licence({"path": str(source), "gguf_file": None}, again, [terms])
+    assert record["files"] == ["GEMMA_TERMS.html", "NOTICE", "NOTICE.md"] and record["terms_copied"] is True
+    assert (again / "NOTICE").read_text() == "Copyright the source\n" + GEMMA_NOTICE + "\n"
+    card = render_card({**copy.deepcopy(report), "licence": record}, REPO)
+    assert "A copy of the Gemma Terms of Use is in this repo." in card.text and "must accompany" not in card.text
+    assert "`GEMMA_TERMS.html`" in card.text
+    # a licence that asks for no notice gets none
+    (source / "README.md").write_text("---\nlicense: apache-2.0\n---\n")
+    (tmp_path / "plain").mkdir()
+    plain = carry_licence({"path": str(source), "gguf_file": None}, tmp_path / "plain")
+    assert plain["notice"] is None and plain["terms_copied"] is None
+    assert (tmp_path / "plain" / "NOTICE").read_text() == "Copyright the source\n"
+
+
+def test_licence_file_option_is_checked_before_any_work(tmp_path):
+    result = CliRunner().invoke(app, ["convert", str(tmp_path / "missing"), "--out", str(tmp_path / "o"),
+                                      "--licence-file", str(tmp_path / "TERMS.txt")])
+    assert result.exit_code != 0 and "--licence-file" in result.output and "is not a file" in result.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_parameters_with_and_without_embeddings(converted, report):
+    original, converted_counts = report["parameters"]["original"], report["parameters"]["converted"]
+    assert original["embeddings"] > 0 and original["without_embeddings"] == original["total"] - original["embeddings"]
+    assert converted_counts["embeddings"] == original["embeddings"]  # no method touches the embeddings
+    text = ModelCard.load(converted / "README.md").text
+    assert f"without the embeddings, original\n{original['without_embeddings']:,}" in text

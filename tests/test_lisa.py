@@ -38,3 +38,35 @@ def test_perplexity_search_takes_the_most_layers_within_budget(limit, expected):
     assert len(calls) <= 3  # log2(6 + 1) probes, not one per count
     assert all(p["within_budget"] == (p["perplexity"] <= limit) for p in probes)
     assert all(p["layers"] == sorted(ranked[: p["count"]]) for p in probes)
+
+
+def test_fit_is_invariant_to_the_input_scale():
+    """Adam's step has a fixed size in weight space, so a low-rank Q/K fit at one rate would move 10x larger inputs'
+    scores 10x faster (Gemma 3's attention inputs are 4-10x SmolLM2's, and diverged): the fit scales the low-rank
+    weights' initial size and rate by the input's RMS. The same layer on 10x inputs (its Q/K/V weights / 10, so the
+    same scores and targets) must fit to the same loss."""
+    import copy
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hfcompress.lisa import fit_shared_layer, full_attention_scores, in_converted_classes, rotary
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8)
+    model = in_converted_classes(LlamaForCausalLM(config).eval())
+    x = torch.randn(8, 16, 32) * 0.3
+    cos_sin = rotary(model, x[:1], 1)
+    below, attn = model.model.layers[0].self_attn, model.model.layers[1].self_attn
+    with torch.no_grad():
+        prev_scores = full_attention_scores(below, x, cos_sin)
+        scaled = copy.deepcopy(attn)
+        for name in ("q_proj", "k_proj", "v_proj"):
+            getattr(scaled, name).weight.div_(10)
+    options = LisaOptions(steps=10, batch_size=4)
+    fits = [fit_shared_layer(model.config, module, cos_sin, 1, inputs, prev_scores, [0, 1, 2, 3], 4, options)[1]
+            for module, inputs in ((attn, x), (scaled, 10 * x))]
+    assert fits[0].loss_initial == pytest.approx(fits[1].loss_initial, rel=1e-4)
+    assert fits[0].loss_final == pytest.approx(fits[1].loss_final, abs=1e-3 * fits[0].loss_initial)
+    assert fits[0].loss_final < 0.9 * fits[0].loss_initial

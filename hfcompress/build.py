@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from accelerate import init_empty_weights
 from torch import nn
 
 from .errors import WRITE_FAILED_EXIT, HfcompressError
@@ -69,10 +70,11 @@ def cast_floating(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def assemble(config, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32, cls=None) -> nn.Module:
     """A model of `config` (its family's converted causal LM, or `cls`) holding exactly `state`, built on the meta
-    device (no random weights allocated); RoPE buffers computed afresh. Every tensor must be in `state`."""
+    device (no random weights allocated); non-persistent buffers computed by the modules themselves. Every parameter
+    and persistent buffer must be in `state`."""
     if cls is None:
         _, cls = family_of(config).remote_classes()
-    with torch.device("meta"):
+    with init_empty_weights(include_buffers=False):  # buffers are made as usual: RoPE's, Gemma's embedding scale
         model = cls(config)
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
     result = model.load_state_dict({k: cast_floating(v, dtype) for k, v in state.items() if k not in tied}, strict=False, assign=True)
@@ -82,7 +84,6 @@ def assemble(config, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.
             f"Internal error: converted weights do not match the model's layout "
             f"(missing {missing[:5]}, unexpected {result.unexpected_keys[:5]})."
         )
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)  # non-persistent buffers: not in `state`
     model.tie_weights()
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:

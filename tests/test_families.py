@@ -41,13 +41,12 @@ from transformers import (
 )
 from typer.testing import CliRunner
 
-from hfcompress.build import build_converted_model, converted_config
+from hfcompress.build import assemble, build_converted_model, converted_config
 from hfcompress.checkpoint import Checkpoint
 from hfcompress.cli import app
 from hfcompress.families import FAMILIES, family_of
 from hfcompress.lisa import causal_mask, full_attention_scores, rotary
-from hfcompress.remote import import_remote
-from hfcompress.remote import remote_code_files
+from hfcompress.remote import import_remote, remote_code_files
 from hfcompress.source import load_source, resolve_source
 from hfcompress.stream import LayerStream
 
@@ -145,6 +144,20 @@ def test_unconverted_model_equals_transformers(name, checkpoints):
     cached = greedy(converted, ids, mask)
     assert_same_generation(cached, greedy(converted, ids, mask, use_cache=False))
     assert_same_generation(cached, greedy(original, ids, mask))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_teacher_assembled_from_the_checkpoint_equals_transformers(name, checkpoints):
+    """The original the whole-model steps (distillation's teacher, the probe) assemble from the checkpoint in
+    transformers' own classes, buffers the checkpoint does not hold included (Gemma 3's embedding scale), gives the
+    logits of transformers' own from_pretrained."""
+    original, _ = load_source(resolve_source(str(checkpoints[name])))
+    _, causal_lm = family_of(original.config).transformers_classes()
+    checkpoint = Checkpoint(checkpoints[name], name)
+    teacher = assemble(original.config, checkpoint.load(list(checkpoint.files)), cls=causal_lm).eval()
+    ids, mask = ids_and_mask(padded=True)
+    with torch.no_grad():
+        torch.testing.assert_close(teacher(ids, attention_mask=mask).logits, original(ids, attention_mask=mask).logits)
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3"])

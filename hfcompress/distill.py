@@ -25,7 +25,7 @@ from torch import nn
 from .calibrate import cache_key
 from .errors import HfcompressError
 from .fasc import is_fasc_parameter
-from .lisa import is_lisa_parameter
+from .lisa import LOWRANK_INPUT_RMS, is_lisa_parameter
 from .methods import Finisher, register
 from .progress import console, training_bar
 from .stream import save_atomic
@@ -113,6 +113,25 @@ def window_starts(ids: torch.Tensor, seq_len: int, batch_size: int, steps: int, 
     return torch.randint(len(ids) - seq_len, (steps, batch_size), generator=generator)
 
 
+@torch.no_grad()
+def lowrank_input_scales(student: nn.Module, ids: torch.Tensor) -> dict[str, float]:
+    """Per shared layer (its q_lowrank's module name): LOWRANK_INPUT_RMS / RMS of its input on `ids`, the factor the
+    local fit also applies to the low-rank Q/K weights' rate (lisa.LOWRANK_INPUT_RMS: Adam's step is a fixed size in
+    weight space, so the same rate moves the scores of larger inputs faster)."""
+    rms: dict[str, float] = {}
+    hooks = [
+        module.register_forward_pre_hook(lambda _, args, name=name: rms.__setitem__(name, args[0].float().pow(2).mean().sqrt().item()))
+        for name, module in student.named_modules()
+        if name.endswith("q_lowrank")
+    ]
+    try:
+        student(input_ids=ids, use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return {name: LOWRANK_INPUT_RMS / max(value, 1e-6) for name, value in rms.items()}
+
+
 def distill(student: nn.Module, teacher: nn.Module, data: DistillData, options: DistillOptions, state_dir: Path) -> dict:
     """AdamW on the student's trainable parameters minimising KL(teacher || student) per token, resumable from
     `state_dir`. Returns the record for the report (settings, timings, the learning curve)."""
@@ -122,22 +141,28 @@ def distill(student: nn.Module, teacher: nn.Module, data: DistillData, options: 
     if not parameters:
         raise HfcompressError("--distill-tokens has nothing to train: the conversion changed no layer.")
     steps, tokens_per_step = options.steps, options.seq_len * options.batch_size
-    modules = [p for n, p in named if is_lisa_parameter(n)]
-    weights = [p for n, p in named if not is_lisa_parameter(n)]  # FASC factors, LoRA adapters
-    groups = [{"params": group, "lr": lr} for group, lr in ((modules, options.lr), (weights, options.weight_lr)) if group]
-    optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
+    body = options.seq_len - len(data.prefix)  # text tokens per window after the prefix
+    starts = window_starts(data.train_ids, body, options.batch_size, steps, data.seed)
+    offsets = torch.arange(body)
+    # LISA's modules at options.lr, their low-rank Q/K weights scaled by their input's RMS (measured on the first
+    # window) as in the local fit; FASC factors and LoRA adapters at options.weight_lr
+    scales = lowrank_input_scales(student, prefixed(data.prefix, data.train_ids[starts[0][:1, None] + offsets]).to(device))
+    lowrank = {n: scales[m.replace("k_lowrank", "q_lowrank")] for n, _ in named
+               if (m := n.rsplit(".", 1)[0]).endswith(("q_lowrank", "k_lowrank"))}
+    groups = [{"params": [p for n, p in named if is_lisa_parameter(n) and n not in lowrank], "lr": options.lr}]
+    groups += [{"params": [p], "lr": options.lr * lowrank[n]} for n, p in named if n in lowrank]
+    groups.append({"params": [p for n, p in named if not is_lisa_parameter(n)], "lr": options.weight_lr})
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], weight_decay=0.0)
     warmup = max(1, steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
     )
-    body = options.seq_len - len(data.prefix)  # text tokens per window after the prefix
-    starts = window_starts(data.train_ids, body, options.batch_size, steps, data.seed)
-    offsets = torch.arange(body)
     points = options.curve_points()
     state_file = state_dir / "state.pt"
     record = {
         **asdict(options), "steps": steps, "train_tokens_available": len(data.train_ids),
         "trainable_parameters": sum(p.numel() for p in parameters), "kl": [], "perplexity": [], "seconds": 0.0,
+        "lowrank_lr_scale": {name.split(".self_attn")[0].rsplit(".", 1)[-1]: round(v, 4) for name, v in scales.items()},
     }
     step = 0
     if state_file.is_file():  # resume: the trainable tensors, the optimiser and the curve so far

@@ -35,6 +35,8 @@ OPTIONS = DistillOptions(tokens=8 * 2 * 32, seq_len=32, batch_size=2, lr=5e-3, c
 def models(tiny_llama_dir):
     torch.manual_seed(0)
     teacher = LlamaForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    with torch.no_grad():  # random weights give near-uniform next-token distributions (KL ~1e-7): make them peaked
+        teacher.lm_head.weight.mul_(30)
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     ids = tokenize(tokenizer, builtin_text()[:60_000])
     sequences = ids[: 8 * 64].view(8, 64)
@@ -156,3 +158,33 @@ def test_gradient_checkpointing_trains_the_same_weights(models, tmp_path):
     assert len(calls) >= 2 * steps * layers  # forward + recompute per step (plus the curve's forwards)
     for (name, a), (_, b) in zip(plain.state_dict().items(), checkpointed.state_dict().items()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_low_rank_rates_are_scaled_by_their_input_rms(models, tmp_path):
+    """As in the local fit, each shared layer's low-rank Q/K weights train at lr x LOWRANK_INPUT_RMS / RMS(their input)
+    (measured on the first window; Gemma 3's inputs are 4-10x SmolLM2's), the Align at lr."""
+    from hfcompress.distill import window_starts
+    from hfcompress.lisa import LOWRANK_INPUT_RMS
+
+    teacher, student, train_ids, eval_ids = models
+    first = train_ids[window_starts(train_ids, OPTIONS.seq_len, OPTIONS.batch_size, OPTIONS.steps, 0)[0][:1, None] + torch.arange(OPTIONS.seq_len)]
+    rms = {}
+    hooks = [student.model.layers[i].input_layernorm.register_forward_hook(
+        lambda _, __, out, i=i: rms.__setitem__(str(i), out.pow(2).mean().sqrt().item())) for i in (2, 3)]
+    with torch.no_grad():
+        student(input_ids=first, use_cache=False)
+    for hook in hooks:
+        hook.remove()
+    rates = []
+    real_adamw = torch.optim.AdamW
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(torch.optim, "AdamW", lambda groups, **kw: rates.extend(groups) or real_adamw(groups, **kw))
+        _, record = run_stage(student, teacher, train_ids, eval_ids, tmp_path)
+    assert record["lowrank_lr_scale"] == pytest.approx({k: LOWRANK_INPUT_RMS / v for k, v in rms.items()}, rel=1e-3)
+    names = {id(p): n for n, p in student.named_parameters()}
+    for group in rates:
+        for p in group["params"]:
+            name = names[id(p)]
+            layer = name.split("layers.")[1].split(".")[0]
+            expected = OPTIONS.lr * record["lowrank_lr_scale"][layer] if "_lowrank" in name else OPTIONS.lr
+            assert group["initial_lr"] == pytest.approx(expected, rel=1e-3), name  # the schedule multiplies it

@@ -17,9 +17,9 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from .families import FAMILIES
 from .remote import cards_dir
+from .source import LICENCE_FILE_PREFIXES, gguf_header_strings  # file names starting so (any case) are licence files
 
 TEMPLATE = "model_card.md.j2"
-LICENCE_FILE_PREFIXES = ("LICENSE", "LICENCE", "NOTICE", "USE_POLICY")  # file names starting so, in any case
 LICENCE_FILE_WORDS = ("TERMS",)  # or containing so (GEMMA_TERMS.html)
 NOTICE_FILE = "NOTICE"
 
@@ -76,8 +76,6 @@ def licence_files(directory: Path) -> list[Path]:
 
 def _gguf_licence(path: Path) -> dict:
     """license, license_name, license_link, language from a GGUF's metadata (general.*), read from its header alone."""
-    from .source import gguf_header_strings
-
     keys = {"license": "general.license", "license_name": "general.license.name", "license_link": "general.license.link",
             "language": "general.languages"}
     values = gguf_header_strings(path, set(keys.values()), stop_after="tokenizer.ggml.model")

@@ -19,13 +19,20 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent / "scaling"
-COMMON = [
-    "--calib-text", "builtin", "--eval-text", "builtin", "--ood-text", "news", "--no-probe", "--no-speed",
-    "--distill-curve-tokens", "4096",
-]
+COMMON = ["--no-probe", "--no-speed", "--distill-curve-tokens", "4096"]
+BUILTIN_TEXTS = ["--calib-text", "builtin", "--eval-text", "builtin", "--ood-text", "news"]
+WIKI_TEXTS = ["--calib-text", "wiki", "--eval-text", "wiki", "--ood-text", "news"]  # ~560k calibration tokens
 LISA15 = ["--share-ratio", "0.5", "--lisa-align", "sparse", "--max-ppl-increase", "10"]
 FASC09 = ["--share-ratio", "0", "--fasc-budget", "0.9", "--fasc-method", "fisher", "--max-ppl-increase", "15"]
 RUNS = {
+    **{
+        f"wiki-lisa15-calib{size}": LISA15 + WIKI_TEXTS + ["--distill-tokens", "0", "--calib-sequences", str(n), "--seq-len", str(t)]
+        for size, n, t in (("4k", 16, 256), ("16k", 32, 512), ("33k", 64, 512), ("131k", 256, 512))
+    },
+    "wiki-lisa15-calib131k-distill64k": LISA15 + WIKI_TEXTS + ["--calib-sequences", "256", "--seq-len", "512", "--distill-tokens", "65536"],
+    "wiki-fasc09-fisher-calib131k-distill16k": FASC09 + WIKI_TEXTS + ["--calib-sequences", "256", "--seq-len", "512", "--distill-tokens", "16384"],
+}
+RUNS |= {name: args + BUILTIN_TEXTS for name, args in {
     "lisa15-sparse-distill64k": LISA15 + ["--distill-tokens", "65536"],
     "lisa15-sparse-distill256k": LISA15 + ["--distill-tokens", "262144"],
     "fasc09-fisher-distill64k": FASC09 + ["--distill-tokens", "65536"],
@@ -34,7 +41,7 @@ RUNS = {
     "lisa15-sparse-calib16k": LISA15 + ["--calib-sequences", "32", "--seq-len", "512"],
     "lisa15-sparse-calib64k": LISA15 + ["--calib-sequences", "128", "--seq-len", "512"],
     "lisa15-sparse-calib84k": LISA15 + ["--calib-sequences", "165", "--seq-len", "512"],  # all of builtin's 75%
-}
+}.items()}
 
 
 def command(name: str, out: Path) -> list[str]:
@@ -97,6 +104,8 @@ def report() -> None:
             continue
         increases = {row["eval_text"]: row["perplexity_increase_pct"] for row in data["validation"]["texts"]}
         rows.append((data["calibration"]["tokens"], name, increases, data["timings"]))
+    wiki_rows = [r for r in rows if r[1].startswith("wiki-")]
+    rows = wiki_rows or rows  # one set of texts per table and plot: the Wikipedia calibration when it has runs
     if rows:
         rows.sort()
         print("## Calibration tokens (no distillation)\n")

@@ -19,7 +19,7 @@ app = typer.Typer(
 )
 
 INTERRUPTED_EXIT = 130
-TEXT_HELP = "FILE (UTF-8), 'builtin' (Python language reference, offline), 'wikitext-2' or hf:OWNER/NAME[:CONFIG] (Hub, via datasets) or 'auto'"
+TEXT_HELP = "FILE (UTF-8), 'builtin' (Python language reference, offline), 'wiki' (106 Wikipedia articles, offline), 'wikitext-2' or hf:OWNER/NAME[:CONFIG] (Hub, via datasets) or 'auto'"
 
 
 def _run(action) -> None:
@@ -108,7 +108,7 @@ def convert(
     calib_text: str = typer.Option("auto", help=f"Calibration text: {TEXT_HELP}; wikitext-2 reads its train split; auto: wikitext-2 when the Hub answers, else builtin."),
     eval_text: str = typer.Option("auto", help=f"Perplexity text: {TEXT_HELP}; wikitext-2 reads its test split; auto: wikitext-2 when the Hub answers, else the held-out last 25% of the calibration text."),
     ood_text: str = typer.Option(
-        "auto", help="Second perplexity text, of another domain than calibration, scored whole and gated too: news (300 ABC news articles; auto picks it when installed), FILE, builtin, wikitext-2 or none."
+        "auto", help="Second perplexity text, of another domain than calibration, scored whole and gated too: news (300 ABC news articles; auto picks it when installed), FILE, builtin, wiki, wikitext-2 or none."
     ),
     calib_sequences: int = typer.Option(16, help="Number of calibration sequences."),
     seq_len: int = typer.Option(256, help="Calibration sequence length in tokens."),
@@ -234,7 +234,7 @@ def evaluate(
     model: str = typer.Argument(..., help="A converted model: hfcompress output directory or Hub id."),
     baseline: str = typer.Option(None, help="Original model to measure beside it (any SOURCE form of `convert`)."),
     eval_text: str = typer.Option("auto", help=f"Perplexity text: {TEXT_HELP}; wikitext-2 reads its test split; auto: wikitext-2 when the Hub answers, else the held-out last 25% of builtin."),
-    ood_text: str = typer.Option("auto", help="Second perplexity text, of another domain: news (auto, when installed), FILE, builtin, wikitext-2 or none."),
+    ood_text: str = typer.Option("auto", help="Second perplexity text, of another domain: news (auto, when installed), FILE, builtin, wiki, wikitext-2 or none."),
     context: int = typer.Option(512, help="Perplexity window in tokens."),
     stride: int = typer.Option(None, help="Window stride in tokens (default: = context)."),
     eval_tokens: int = typer.Option(None, help="Score only the first N tokens (default: all)."),

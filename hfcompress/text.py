@@ -6,6 +6,11 @@
   evaluation the test split (the standard protocol), lines joined with blank lines as in the HF perplexity guide.
 * `builtin`: the CPython language reference shipped as `pydoc_data.topics` (~465 kB of English prose, offline; 84,830 SmolLM2 tokens in its first 75%).
   Calibration reads its first 75%, evaluation its held-out last 25%.
+* `wiki`: 106 English Wikipedia articles (Anarchism, Autism, Albedo, Algorithm, ...; a 2013 dump excerpt that gensim
+  ships as test data, `enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2`), offline. The wikitext
+  markup is stripped with mwparserfromhell; tables, image captions, categories and the reference/link sections at
+  each article's end are dropped: 3.0 MB of prose, ~700k SmolLM2 tokens, so the anchors' calibration sizes (GPTQ's
+  128 x 2,048) fit in it. Calibration reads its first 75%, evaluation its held-out last 25%.
 * a FILE: UTF-8 text. As calibration text its first 75% is used; as evaluation text all of it.
 * `hf:OWNER/NAME[:CONFIG]`: the `text` column of any `datasets` dataset on the Hub (train split for calibration,
   test split for evaluation), pinned to the commit the Hub names at load time.
@@ -21,6 +26,7 @@
 """
 
 import importlib.util
+import re
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -31,11 +37,15 @@ import torch
 from .errors import HfcompressError
 from .progress import console
 
-AUTO, BUILTIN, WIKITEXT, NEWS, NONE = "auto", "builtin", "wikitext-2", "news", "none"
+AUTO, BUILTIN, WIKI, WIKITEXT, NEWS, NONE = "auto", "builtin", "wiki", "wikitext-2", "news", "none"
 DATASET_PREFIX = "hf:"  # hf:REPO[:CONFIG], any `datasets` text dataset on the Hub
 BUILTIN_TEXT_NAME = "python-language-reference (pydoc_data.topics)"
 NEWS_TEXT_NAME = "lee-news (Lee et al. 2005 background corpus, 300 ABC news articles; gensim test data)"
 NEWS_DISTRIBUTION, NEWS_FILE = "gensim", "gensim/test/test_data/lee_background.cor"
+WIKI_TEXT_NAME = "enwiki-sample (106 Wikipedia articles, a 2013 dump excerpt; gensim test data)"
+WIKI_FILE = "gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+# headings after which a Wikipedia article is lists of references and links, not prose
+WIKI_END_SECTIONS = ("References", "External links", "See also", "Further reading", "Notes", "Bibliography", "Sources")
 HELD_OUT_FRACTION = 0.25
 WIKITEXT_REPO, WIKITEXT_CONFIG = "Salesforce/wikitext", "wikitext-2-raw-v1"
 PROBE_TIMEOUT_S = 3.0  # "auto" asks the Hub once with this timeout, so a machine without network falls back at once
@@ -95,6 +105,65 @@ def news_file() -> Path | None:
     except PackageNotFoundError:
         return None
     return path if path.is_file() else None
+
+
+def wiki_file() -> Path | None:
+    """The Wikipedia dump excerpt of the installed gensim distribution (located, not imported), or None."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        path = Path(distribution(NEWS_DISTRIBUTION).locate_file(WIKI_FILE))
+    except PackageNotFoundError:
+        return None
+    return path if path.is_file() else None
+
+
+def wiki_article_prose(wikitext: str) -> str:
+    """An article's prose: markup stripped, tables, image captions and categories dropped, cut at its first list
+    section (references, external links, ...)."""
+    import mwparserfromhell
+
+    lines = []
+    for line in mwparserfromhell.parse(wikitext).strip_code(normalize=True, collapse=True).splitlines():
+        line = line.strip()
+        if line in WIKI_END_SECTIONS:
+            break
+        if line.startswith(("|", "!", "{|", "Category:", "File:", "Image:")) or "thumb|" in line:  # tables, images
+            continue
+        lines.append(line)
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
+
+
+def wiki_text() -> str:
+    """The `wiki` text: every article (namespace 0, not a redirect) of the dump excerpt, in dump order. Parsing takes
+    ~10 s, so the result is cached under the hfcompress cache directory, keyed by the dump's size."""
+    import bz2
+    import xml.etree.ElementTree as ET
+
+    from .config import default_cache_dir
+
+    source = wiki_file()
+    if source is None:
+        raise HfcompressError(
+            f"'{WIKI}': the Wikipedia excerpt comes with the gensim wheel, which is not installed: run "
+            "`pip install --no-deps gensim==4.4.0 mwparserfromhell`, or pass another text."
+        )
+    cached = default_cache_dir() / "texts" / f"enwiki-sample-{source.stat().st_size}-v2.txt"
+    if cached.is_file():
+        return cached.read_text(encoding="utf-8")
+    root = ET.fromstring(bz2.decompress(source.read_bytes()))
+    ns = root.tag.partition("}")[0] + "}"
+    articles = [
+        f"{page.findtext(ns + 'title')}\n\n{wiki_article_prose(page.findtext(f'{ns}revision/{ns}text') or '')}"
+        for page in root.iter(ns + "page")
+        if page.findtext(ns + "ns") == "0" and page.find(ns + "redirect") is None
+    ]
+    text = "\n\n".join(articles)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    partial = cached.with_suffix(".partial")
+    partial.write_text(text, encoding="utf-8")
+    partial.replace(cached)  # a reader never sees half a file
+    return text
 
 
 def read_text_file(path: Path) -> str:
@@ -192,6 +261,8 @@ def load_text(spec: str, role: Role, fallback: Text | None = None) -> Text:
         return text
     if spec == BUILTIN:
         return Text(BUILTIN_TEXT_NAME, builtin_text(), held_out=True)
+    if spec == WIKI:
+        return Text(WIKI_TEXT_NAME, wiki_text(), held_out=True)
     if spec == WIKITEXT:
         from huggingface_hub import constants
 
@@ -210,7 +281,7 @@ def load_text(spec: str, role: Role, fallback: Text | None = None) -> Text:
 
 def check_text_option(spec: str, role: Role) -> None:
     """Refuse a text option that is neither a text name nor an existing file (before any work)."""
-    names = (NEWS, BUILTIN, WIKITEXT, NONE, AUTO) if role == "other-domain" else (BUILTIN, WIKITEXT, AUTO)
+    names = (NEWS, BUILTIN, WIKI, WIKITEXT, NONE, AUTO) if role == "other-domain" else (BUILTIN, WIKI, WIKITEXT, AUTO)
     if spec.startswith(DATASET_PREFIX):
         if not spec.removeprefix(DATASET_PREFIX).partition(":")[0].count("/") == 1:
             raise HfcompressError(f"{_ROLES[role][0]} '{spec}': write a Hub dataset as hf:owner/name or hf:owner/name:config.")
@@ -219,6 +290,11 @@ def check_text_option(spec: str, role: Role) -> None:
         raise HfcompressError(
             f"{_ROLES[role][0]} '{spec}' is neither a file nor a text name: give a UTF-8 text file, a Hub dataset "
             f"(hf:owner/name[:config]), {', '.join(repr(n) for n in names[:-1])} or {names[-1]!r}."
+        )
+    if spec == WIKI and (wiki_file() is None or importlib.util.find_spec("mwparserfromhell") is None):
+        raise HfcompressError(
+            f"{_ROLES[role][0]} {WIKI}: the Wikipedia excerpt needs the gensim wheel (its data file) and mwparserfromhell: "
+            "run `pip install --no-deps gensim==4.4.0` and `pip install mwparserfromhell`, or pass another text."
         )
     if spec == NEWS and news_file() is None:
         raise HfcompressError(
@@ -237,6 +313,8 @@ def other_domain_ids(tokenizer, spec: str, calibration_name: str) -> tuple[torch
         text = Text(NEWS_TEXT_NAME, news_file().read_text(encoding="utf-8"), held_out=False)
     elif spec == BUILTIN:
         text = Text(BUILTIN_TEXT_NAME, builtin_text(), held_out=False)
+    elif spec == WIKI:
+        text = Text(WIKI_TEXT_NAME, wiki_text(), held_out=False)
     elif spec == WIKITEXT or spec.startswith(DATASET_PREFIX):
         text = load_text(spec, "other-domain")
     else:

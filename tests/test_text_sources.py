@@ -27,11 +27,14 @@ from hfcompress.errors import HfcompressError
 from hfcompress.pipeline import Run, fetch
 from hfcompress.text import (
     BUILTIN_TEXT_NAME,
+    WIKI_TEXT_NAME,
     WIKITEXT_CONFIG,
     WIKITEXT_REPO,
     builtin_text,
     check_text_option,
     load_text,
+    other_domain_ids,
+    wiki_file,
 )
 
 runner = CliRunner()
@@ -286,7 +289,7 @@ def test_auto_is_bounded_when_the_hub_never_answers(monkeypatch, log, hub_traffi
         (["convert", "{model}", "--out", "{out}", "--calib-text", "wikitext2"], "--calib-text 'wikitext2' is neither a file nor a text name"),
         (["convert", "{model}", "--out", "{out}", "--eval-text", "{missing}"], "--eval-text '{missing}' is neither a file nor a text name"),
         (["analyze", "{model}", "--calib-text", "{missing}"], "--calib-text '{missing}' is neither a file nor a text name"),
-        (["eval", "{model}", "--eval-text", "wiki"], "--eval-text 'wiki' is neither a file nor a text name"),
+        (["eval", "{model}", "--eval-text", "wikipedia"], "--eval-text 'wikipedia' is neither a file nor a text name"),
     ],
 )
 def test_bad_text_option_is_one_sentence_and_exit_2(args, needle, tiny_llama_dir, tmp_path):
@@ -295,7 +298,7 @@ def test_bad_text_option_is_one_sentence_and_exit_2(args, needle, tiny_llama_dir
     assert result.exit_code == 2, result.output
     message = " ".join(result.output.split())
     assert message.startswith("error:") and needle.format(**values) in message
-    assert message.endswith("'builtin', 'wikitext-2' or 'auto'.")
+    assert message.endswith("'builtin', 'wiki', 'wikitext-2' or 'auto'.")
     assert not (tmp_path / "out").exists()
 
 
@@ -345,3 +348,29 @@ def test_windows_start_with_bos_where_the_tokenizer_starts_texts_with_it(tiny_ll
         plain = perplexity(model, ids, 16)
     assert disjoint.tokens == strided.tokens == 50 and disjoint.perplexity == pytest.approx(math.exp(direct / 50), rel=1e-6)
     assert plain.tokens == 50 - 4  # without BOS, a window's first token is only context
+
+
+@pytest.mark.skipif(wiki_file() is None, reason="gensim (the Wikipedia excerpt) is not installed")
+def test_wiki_is_prose_of_the_whole_excerpt_held_out_by_role(tiny_llama_dir):
+    """`wiki`: every article of the excerpt, markup, tables, captions and reference sections gone; calibration and
+    evaluation read disjoint parts, and it can be the other-domain text of a builtin calibration."""
+    from transformers import AutoTokenizer
+
+    from hfcompress.text import part_name
+
+    text = load_text("wiki", "calibration")
+    assert text.name == WIKI_TEXT_NAME and text.held_out
+    body = text.text
+    assert len(body) > 2_500_000 and body.startswith("Anarchism\n\n")
+    assert "Autism is a neurodevelopmental disorder" in body and "\n\nAlgorithm\n\n" in body
+    for markup in ("thumb|", "\nCategory:", "\n|", "\nReferences\n", "\nExternal links\n"):
+        assert markup not in body, markup
+    for markup in ("[[", "{{", "<ref"):  # thousands in the dump; a few malformed ones survive the parser
+        assert body.count(markup) < 20, markup
+    assert part_name(text, "calibration").endswith("first 75%") and part_name(text, "evaluation").endswith("last 25%")
+    assert load_text("wiki", "evaluation").text == body  # the same text, cut by role
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    ids, name = other_domain_ids(tokenizer, "wiki", "python-language-reference (pydoc_data.topics), first 75%")
+    assert name == WIKI_TEXT_NAME and len(ids) > 128_000  # room for the anchors' calibration sizes
+    with pytest.raises(HfcompressError, match="--ood-text is the calibration text"):
+        other_domain_ids(tokenizer, "wiki", f"{WIKI_TEXT_NAME}, first 75%")

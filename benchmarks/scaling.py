@@ -29,6 +29,9 @@ RUNS = {
         f"wiki-lisa15-calib{size}": LISA15 + WIKI_TEXTS + ["--distill-tokens", "0", "--calib-sequences", str(n), "--seq-len", str(t)]
         for size, n, t in (("4k", 16, 256), ("16k", 32, 512), ("33k", 64, 512), ("131k", 256, 512))
     },
+    # every other layer: each shared layer reads an unshared layer's scores (no chains of approximations)
+    "wiki-lisa15-alternate-calib4k": ["--lisa-layers", ",".join(str(i) for i in range(1, 30, 2)), "--lisa-align", "sparse",
+                                      "--max-ppl-increase", "10", "--distill-tokens", "0"] + WIKI_TEXTS,
     "wiki-lisa15-calib131k-distill64k": LISA15 + WIKI_TEXTS + ["--calib-sequences", "256", "--seq-len", "512", "--distill-tokens", "65536"],
     "wiki-fasc09-fisher-calib131k-distill16k": FASC09 + WIKI_TEXTS + ["--calib-sequences", "256", "--seq-len", "512", "--distill-tokens", "16384"],
 }

@@ -56,7 +56,11 @@ def build_converted_model(
 ) -> nn.Module:
     """A converted model in memory from a loaded original and fitted modules (research scripts and tests; the
     pipeline assembles its output layer by layer)."""
-    spec = {str(f.layer): {"rank": f.rank, "align": f.align, "align_hidden": f.align_hidden} for f in lisa_layers}
+    spec = {
+        str(f.layer): {"rank": f.rank, "align": f.align, "align_hidden": f.align_hidden}
+        | ({"key_heads": f.key_heads} if f.key_heads else {})
+        for f in lisa_layers
+    }
     ranks = {name: int(b.shape[0]) for name, (a, b) in fasc_factors.items()}
     config = converted_config(original.config, {"lisa_layers": spec, "fasc_ranks": ranks})
     state = converted_state(original.state_dict(), lisa_layers, fasc_factors)

@@ -82,6 +82,9 @@ def convert(
     ),
     align_hidden: int = typer.Option(LisaOptions.align_hidden, help="Width of the dense alignment FFN (0 = linear head mix only)."),
     lowrank: bool = typer.Option(True, "--lowrank/--no-lowrank", help="Low-rank Q/K correction in shared layers."),
+    lisa_lowrank_keys: str = typer.Option(
+        LisaOptions.lowrank_keys, help="Low-rank keys of a shared layer: one per head, or one per KV group (GQA: a smaller K cache, and a higher rank at the same --qk-compression)."
+    ),
     lisa_steps: int = typer.Option(LisaOptions.steps, help="Distillation steps per shared layer."),
     fasc_budget: float = typer.Option(1.0, help="FASC: fraction of targeted linear parameters kept (1.0 = off)."),
     fasc_method: str = typer.Option("fisher", help=f"FASC subspace: {', '.join(METHODS)}."),
@@ -105,7 +108,7 @@ def convert(
     distill_gradient_checkpointing: bool = typer.Option(
         False, help="Distillation: recompute activations in the backward pass (less memory for long windows or big models, one more forward per step)."
     ),
-    calib_text: str = typer.Option("auto", help=f"Calibration text: {TEXT_HELP}; wikitext-2 reads its train split; auto: wikitext-2 when the Hub answers, else builtin."),
+    calib_text: str = typer.Option("auto", help=f"Calibration text: {TEXT_HELP}; wikitext-2 reads its train split; auto: wikitext-2 when the Hub answers, else wiki."),
     eval_text: str = typer.Option("auto", help=f"Perplexity text: {TEXT_HELP}; wikitext-2 reads its test split; auto: wikitext-2 when the Hub answers, else the held-out last 25% of the calibration text."),
     ood_text: str = typer.Option(
         "auto", help="Second perplexity text, of another domain than calibration, scored whole and gated too: news (300 ABC news articles; auto picks it when installed), FILE, builtin, wiki, wikitext-2 or none."
@@ -163,6 +166,7 @@ def convert(
                 align=lisa_align,
                 align_hidden=align_hidden,
                 lowrank=lowrank,
+                lowrank_keys=lisa_lowrank_keys,
                 steps=lisa_steps,
                 seed=seed,
             ),
@@ -204,7 +208,7 @@ def analyze(
     rho: bool = typer.Option(False, "--rho", help="Also measure FASC rho per linear (needs backward passes)."),
     share_ratio: float = typer.Option(DEFAULT_SHARE_RATIO, help="Show which layers convert would share at this ratio."),
     protect_first: int = typer.Option(2, help="Number of shallow layers never shared."),
-    calib_text: str = typer.Option("auto", help=f"Calibration text: {TEXT_HELP}; auto: wikitext-2 (train split) when the Hub answers, else builtin."),
+    calib_text: str = typer.Option("auto", help=f"Calibration text: {TEXT_HELP}; auto: wikitext-2 (train split) when the Hub answers, else wiki."),
     calib_sequences: int = typer.Option(16, help="Number of calibration sequences."),
     seq_len: int = typer.Option(256, help="Calibration sequence length in tokens."),
     revision: str = typer.Option(None, help="Branch, tag or commit of a Hub source."),
@@ -233,7 +237,7 @@ def analyze(
 def evaluate(
     model: str = typer.Argument(..., help="A converted model: hfcompress output directory or Hub id."),
     baseline: str = typer.Option(None, help="Original model to measure beside it (any SOURCE form of `convert`)."),
-    eval_text: str = typer.Option("auto", help=f"Perplexity text: {TEXT_HELP}; wikitext-2 reads its test split; auto: wikitext-2 when the Hub answers, else the held-out last 25% of builtin."),
+    eval_text: str = typer.Option("auto", help=f"Perplexity text: {TEXT_HELP}; wikitext-2 reads its test split; auto: wikitext-2 when the Hub answers, else the held-out last 25% of wiki (what convert measured)."),
     ood_text: str = typer.Option("auto", help="Second perplexity text, of another domain: news (auto, when installed), FILE, builtin, wiki, wikitext-2 or none."),
     context: int = typer.Option(512, help="Perplexity window in tokens."),
     stride: int = typer.Option(None, help="Window stride in tokens (default: = context)."),

@@ -81,7 +81,7 @@ class ConvertOptions:
     def validate(self) -> "ConvertOptions":
         """Raise one HfcompressError naming the first bad value or combination; cheap, touches no network."""
         from .fasc import METHODS, TARGETABLE
-        from .lisa import ALIGN_KINDS
+        from .lisa import ALIGN_KINDS, LOWRANK_KEYS
 
         lisa, fasc, distill = self.lisa, self.fasc, self.distill
         if self.dtype not in DTYPES:
@@ -126,6 +126,8 @@ class ConvertOptions:
             raise HfcompressError(f"--lisa-ppl-budget must be a percentage > 0, got {lisa.ppl_budget}.")
         if lisa.align not in ALIGN_KINDS:
             raise HfcompressError(f"Unknown --lisa-align '{lisa.align}': choose one of {', '.join(ALIGN_KINDS)}.")
+        if lisa.lowrank_keys not in LOWRANK_KEYS:
+            raise HfcompressError(f"Unknown --lisa-lowrank-keys '{lisa.lowrank_keys}': choose one of {', '.join(LOWRANK_KEYS)}.")
         _at_least(lisa.protect_first, 0, "--protect-first")
         _at_least(lisa.align_hidden, 0, "--align-hidden")
         _at_least(lisa.steps, 0, "--lisa-steps")
@@ -192,7 +194,7 @@ class ConvertOptions:
                     f"the {self.lisa.protect_first} protected shallow layers and have the attention type of the layer below."
                 )
         if self.lisa.lowrank:
-            lowrank_rank(config, self.lisa.qk_compression)
+            lowrank_rank(config, self.lisa.qk_compression, self.lisa.lowrank_keys)
 
 
 def _at_least(value: int, minimum: int, option: str) -> None:

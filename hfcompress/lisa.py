@@ -42,6 +42,7 @@ class LisaOptions:
     align: str = "sparse"  # sparse (one scaled head: SDPA fast path, the default) | dense (head mix + FFN) | identity (none)
     align_hidden: int = 16  # dense Align: FFN width across heads; 0 = linear head mix only
     lowrank: bool = True  # low-rank Q/K correction (False: aligned previous scores only, an ablation)
+    lowrank_keys: str = "head"  # one low-rank key per head, or per KV "group" (GQA: a smaller cache, a higher rank)
     steps: int = 100
     batch_size: int = 4
     lr: float = 1e-2
@@ -270,10 +271,20 @@ def search_layers_by_perplexity(
     return sorted(ranked[:low]), probes
 
 
-def lowrank_rank(config, qk_compression: float) -> int:
-    """Largest even per-head rank r whose low-rank Q/K (2 * d * H * r) is >= qk_compression x smaller than W_Q+W_K."""
+LOWRANK_KEYS = ("head", "group")
+
+
+def lowrank_key_heads(config, lowrank_keys: str) -> int:
+    """Low-rank key heads of a shared layer: one per attention head, or one per KV group."""
+    return config.num_attention_heads if lowrank_keys == "head" else config.num_key_value_heads
+
+
+def lowrank_rank(config, qk_compression: float, lowrank_keys: str = "head") -> int:
+    """Largest even rank r whose low-rank Q/K (d * (H + key heads) * r) is >= qk_compression x smaller than W_Q+W_K
+    (with one key per KV group, the same parameters buy a higher rank)."""
     dense = config.hidden_size * config.head_dim * (config.num_attention_heads + config.num_key_value_heads)
-    rank = int(dense / qk_compression / (2 * config.hidden_size * config.num_attention_heads))
+    heads = config.num_attention_heads + lowrank_key_heads(config, lowrank_keys)
+    rank = int(dense / qk_compression / (config.hidden_size * heads))
     rank -= rank % 2
     if rank < 2:
         raise HfcompressError(f"--qk-compression {qk_compression} leaves no room for a rank-2 low-rank Q/K.")
@@ -302,6 +313,7 @@ class FittedLayer:
     loss_initial: float
     loss_final: float
     seconds: float
+    key_heads: int | None = None  # low-rank key heads (None: one per attention head)
 
 
 def fit_shared_layer(
@@ -320,7 +332,8 @@ def fit_shared_layer(
     start = time.perf_counter()
     align = "dense" if options.align == "dense" else "sparse"  # identity = a sparse Align that stays the identity
     align_hidden = options.align_hidden if align == "dense" else 0
-    module = import_remote("lisa_attention").LisaSharedAttention(config, layer_idx, rank, align_hidden, align)
+    key_heads = lowrank_key_heads(config, options.lowrank_keys)
+    module = import_remote("lisa_attention").LisaSharedAttention(config, layer_idx, rank, align_hidden, align, key_heads)
     module.v_proj.load_state_dict(original.v_proj.state_dict())
     module.o_proj.load_state_dict(original.o_proj.state_dict())
     module.v_proj.requires_grad_(False)
@@ -398,6 +411,7 @@ def fit_shared_layer(
         loss_initial=loss_initial,
         loss_final=loss_final,
         seconds=time.perf_counter() - start,
+        key_heads=key_heads,
     )
     return module, record
 
@@ -405,7 +419,7 @@ def fit_shared_layer(
 def shared_attention(config, record: FittedLayer, device: torch.device | str = "cpu") -> nn.Module:
     """The LisaSharedAttention module of a fit record (weights from `record.state`), in eval mode."""
     module = import_remote("lisa_attention").LisaSharedAttention(
-        config, record.layer, record.rank, record.align_hidden, record.align
+        config, record.layer, record.rank, record.align_hidden, record.align, record.key_heads
     )
     module.load_state_dict(record.state)
     return module.to(device).requires_grad_(False).eval()
@@ -436,7 +450,7 @@ def fit_lisa(
     if not chosen:
         return []
     model = in_converted_classes(model)
-    rank = lowrank_rank(model.config, options.qk_compression) if options.lowrank else 0
+    rank = lowrank_rank(model.config, options.qk_compression, options.lowrank_keys) if options.lowrank else 0
     matching = {s.layer: s.matching for s in similarity}
     layers = model.model.layers
     fitted: list[FittedLayer] = []
@@ -559,7 +573,7 @@ class LisaMethod(Method):
             console.log(f"lisa search: {len(self.chosen)} layers within +{options.ppl_budget:g}% ({len(probes)} fits)")
         else:
             self.chosen = select_layers(similarity, planner.num_layers, options)
-        self.rank = lowrank_rank(config, options.qk_compression) if self.chosen and options.lowrank else 0
+        self.rank = lowrank_rank(config, options.qk_compression, options.lowrank_keys) if self.chosen and options.lowrank else 0
         self.config = config
         self.records, self.qk_params, self.prev_scores = [], [], None
 
@@ -594,7 +608,10 @@ class LisaMethod(Method):
         """The planned shared layers (known once plan has run, before any fit)."""
         align = "dense" if self.options.align == "dense" else "sparse"
         hidden = self.options.align_hidden if align == "dense" else 0
-        return {"lisa_layers": {str(layer): {"rank": self.rank, "align": align, "align_hidden": hidden} for layer in self.chosen}}
+        spec = {"rank": self.rank, "align": align, "align_hidden": hidden}
+        if self.options.lowrank_keys != "head":
+            spec["key_heads"] = lowrank_key_heads(self.config, self.options.lowrank_keys)
+        return {"lisa_layers": {str(layer): dict(spec) for layer in self.chosen}}
 
     def resume_state(self) -> dict:
         return {"records": self.records, "qk_params": self.qk_params, "prev_scores": self.prev_scores}

@@ -27,7 +27,9 @@ class LisaConfigMixin:
         sqrt(rank)`, where `S_{l-1}` are the previous layer's scores; that layer (its anchor) must have the same
         attention type (full or sliding window), so both see the same keys. Spec keys: `rank` (per-head rank of the
         low-rank Q/K, even), `align_hidden` (hidden width of the FFN across heads, 0 = linear head mix only), `align`
-        ("dense", the default: mix across heads + FFN; or "sparse": one scaled source head per head, SDPA-friendly).
+        ("dense", the default: mix across heads + FFN; or "sparse": one scaled source head per head, SDPA-friendly),
+        `key_heads` (low-rank key heads: `num_attention_heads`, the default, one per head; or `num_key_value_heads`,
+        one per GQA group, read by the group's heads, so the layer caches H/KV times fewer low-rank keys).
     fasc_ranks (`dict[str, int]`, *optional*):
         Module path inside a decoder layer, e.g. `"3.mlp.down_proj"` -> rank k. That linear becomes
         `y = A (B x)` with `B: k x in` (`proj_in`) and `A: out x k` (`proj_out`).
@@ -63,5 +65,11 @@ class LisaConfigMixin:
                 )
             if int(spec["rank"]) < 0 or int(spec["rank"]) % 2:
                 raise ValueError(f"LISA layer {idx}: rank must be an even number >= 0, got {spec['rank']}.")
+            key_heads = int(spec.get("key_heads", self.num_attention_heads))
+            if key_heads not in (self.num_attention_heads, self.num_key_value_heads):
+                raise ValueError(
+                    f"LISA layer {idx}: key_heads must be num_attention_heads ({self.num_attention_heads}) or "
+                    f"num_key_value_heads ({self.num_key_value_heads}), got {key_heads}."
+                )
             if spec.get("align", "dense") not in ALIGN_KINDS:
                 raise ValueError(f"LISA layer {idx}: align must be 'dense' or 'sparse', got {spec['align']!r}.")

@@ -7,6 +7,7 @@ embedding and, where it differs, its attention (e.g. Qwen3's q/k norms). Math, p
 
 - full layer:   S_l = Q_l K_l^T / sqrt(d_head)                         (the family's ordinary attention)
 - LISA layer:   S_l = Align(S_{l-1}) + (x W_Q^lr)(x W_K^lr)^T / sqrt(r)  (no q_proj / k_proj, nor q/k norms)
+    low-rank keys: one per head, or one per KV group (GQA: the heads of a group read one low-rank key)
     dense Align:  Align(S)[h] = sum_g mix[h, g] S[g] + bias[h] + FFN(S[:, i, j])[h]  (mix across heads)
     sparse Align: Align(S)[h] = scale[h] S[source[h]]                             (one head, scaled)
 - both:         out = softmax(S_l + causal/padding/window mask) V_l, then o_proj.
@@ -22,7 +23,7 @@ What a layer hands to a following LISA layer:
   at every (query, key) and recomputing a chain of non-linear layers would cost O(chain length^2).
 - Decode (one query row): every layer hands its score row for the new token, which it computes anyway for its own
   softmax; GQA runs by reshaping the query to the KV heads, so the K and V caches are never copied to H heads.
-A LISA layer caches only its low-rank K (r per head) and its V (cache layers of type "lisa_attention" and
+A LISA layer caches only its low-rank K (r per head, or per KV group) and its V (cache layers of type "lisa_attention" and
 "lisa_sliding_attention", below). A FASC linear is `y = proj_out(proj_in(x))` (`A (B x)`).
 
 Attention types: a layer has full attention or a sliding window (Mistral, Qwen2's `layer_types`); a LISA layer has the
@@ -461,11 +462,15 @@ def lowrank_rotary(
 class LisaSharedAttention(nn.Module):
     """LISA layer: scores from the previous layer's scores (aligned) plus a low-rank Q/K correction."""
 
-    def __init__(self, config, layer_idx: int, rank: int, align_hidden: int, align: str = "dense"):
+    def __init__(
+        self, config, layer_idx: int, rank: int, align_hidden: int, align: str = "dense", key_heads: int | None = None
+    ):  # fmt: skip
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
         self.rank = rank
+        # low-rank key heads: H (one per head) or KV (one per GQA group, read by the group's heads: a smaller cache)
+        self.key_heads = key_heads or config.num_attention_heads
         self.head_dim = config.head_dim
         self.num_heads = config.num_attention_heads
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
@@ -473,7 +478,7 @@ class LisaSharedAttention(nn.Module):
         self.sliding_window = layer_window(config, layer_idx)
         hidden, bias = config.hidden_size, config.projection_biases
         self.q_lowrank = nn.Linear(hidden, self.num_heads * rank, bias=False)
-        self.k_lowrank = nn.Linear(hidden, self.num_heads * rank, bias=False)
+        self.k_lowrank = nn.Linear(hidden, self.key_heads * rank, bias=False)
         # q_proj/k_proj go, with their biases and any q/k norms (the low-rank fit absorbs them); V and O stay
         self.v_proj = nn.Linear(hidden, config.num_key_value_heads * self.head_dim, bias=bias["v_proj"])
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias["o_proj"])
@@ -485,10 +490,11 @@ class LisaSharedAttention(nn.Module):
         self, hidden_states: torch.Tensor, position_ids: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """Rotated low-rank queries and keys, each (B, H, T, r); `rotary` is `lowrank_rotary` of these positions."""
-        shape = (*hidden_states.shape[:-1], self.num_heads, self.rank)
-        q_lr = self.q_lowrank(hidden_states).view(shape).transpose(1, 2)
-        k_lr = self.k_lowrank(hidden_states).view(shape).transpose(1, 2)
+        """Rotated low-rank queries (B, H, T, r) and keys (B, key_heads, T, r); `rotary` is `lowrank_rotary` of these
+        positions."""
+        shape = hidden_states.shape[:-1]
+        q_lr = self.q_lowrank(hidden_states).view(*shape, self.num_heads, self.rank).transpose(1, 2)
+        k_lr = self.k_lowrank(hidden_states).view(*shape, self.key_heads, self.rank).transpose(1, 2)
         if rotary is None:
             rotary = lowrank_rotary(self.config, self.rank, position_ids, hidden_states.dtype, self.attention_type)
         return apply_rotary_pos_emb(q_lr, k_lr, *rotary)
@@ -498,9 +504,11 @@ class LisaSharedAttention(nn.Module):
         aligned = self.align(prev_scores)
         if self.rank == 0:
             return aligned
+        # by low-rank key head, as grouped_scores: the heads reading one key are adjacent, so these are views
         batch, heads, q_len, kv_len = aligned.shape
-        lowrank = (q_lr.reshape(batch * heads, q_len, -1), k_lr.reshape(batch * heads, kv_len, -1).transpose(1, 2))
-        flat = aligned.reshape(batch * heads, q_len, kv_len)
+        key_heads = k_lr.shape[1]
+        flat = aligned.reshape(batch * key_heads, heads // key_heads * q_len, kv_len)
+        lowrank = (q_lr.reshape(flat.shape[0], flat.shape[1], -1), k_lr.reshape(flat.shape[0], kv_len, -1).transpose(1, 2))
         return torch.baddbmm(flat, *lowrank, alpha=self.rank**-0.5).view(aligned.shape)
 
     def feature_attention(
@@ -512,6 +520,7 @@ class LisaSharedAttention(nn.Module):
         width = q_prev.shape[-1] + self.rank
         pad = -width % 8  # SDPA's CPU flash kernel is 5-10% faster at a head width that is a multiple of 8 (72, not 70)
         q_lr = q_lr * self.rank**-0.5 if self.rank else q_lr
+        k_lr = repeat_kv(k_lr, self.num_heads // self.key_heads)  # the features are per head (q_prev's source heads)
         query = torch.cat([q_prev, nn.functional.pad(q_lr, (0, pad))], dim=-1)
         key = torch.cat([k_prev, nn.functional.pad(k_lr, (0, pad))], dim=-1)
         # V on H heads at the q/k width: the fused (flash) kernels need one width for q, k and v, and as many K as V
@@ -598,6 +607,7 @@ class LisaSharedAttention(nn.Module):
         # dynamo)
         elif (
             fused_lisa_decode is not None and not self.sparse and not isinstance(prev, tuple) and q_lr.shape[2] == 1
+            and self.key_heads == self.num_heads  # the kernel reads one low-rank key per head
             and not output_attentions and not torch.compiler.is_compiling() and triton_available(q_lr)
         ):  # fmt: skip
             attn_output, passed = fused_lisa_decode(self, prev, q_lr, k_lr, value, additive_mask)
@@ -638,7 +648,8 @@ class LisaDecoderLayer(GradientCheckpointingLayer):
         self.is_lisa = lisa is not None
         if self.is_lisa:
             self.self_attn = LisaSharedAttention(
-                config, layer_idx, int(lisa["rank"]), int(lisa.get("align_hidden", 0)), lisa.get("align", "dense")
+                config, layer_idx, int(lisa["rank"]), int(lisa.get("align_hidden", 0)), lisa.get("align", "dense"),
+                int(lisa.get("key_heads", config.num_attention_heads)),
             )
         else:
             self.self_attn = self.attention_class(config, layer_idx)

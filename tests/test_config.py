@@ -25,6 +25,7 @@ BAD = [
     (["--lisa-layers", "three"], "comma-separated layer numbers"),
     (["--lisa-ppl-budget", "0"], "--lisa-ppl-budget must be a percentage > 0"),
     (["--lisa-align", "magic"], "dense, sparse, identity"),
+    (["--lisa-lowrank-keys", "kv"], "Unknown --lisa-lowrank-keys 'kv': choose one of head, group"),
     (["--qk-compression", "1"], "--qk-compression must be > 1"),
     (["--lisa-steps", "-1"], "--lisa-steps must be a whole number >= 0"),
     (["--fasc-budget", "0"], "--fasc-budget must be in (0, 1]"),

@@ -278,7 +278,9 @@ def test_bad_dtype_refused_before_work(tiny_llama_dir, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("flags", [["--lisa-align", "sparse"], ["--lisa-align", "identity", "--no-lowrank"]])
+@pytest.mark.parametrize(
+    "flags", [["--lisa-align", "sparse"], ["--lisa-align", "identity", "--no-lowrank"], ["--lisa-lowrank-keys", "group"]]
+)
 def test_alignment_variants_convert_and_reload(tiny_llama_dir, tmp_path, flags):
     out = tmp_path / "out"
     result = runner.invoke(
@@ -291,6 +293,10 @@ def test_alignment_variants_convert_and_reload(tiny_llama_dir, tmp_path, flags):
     assert config["lisa_layers"] and all(spec["align"] == "sparse" for spec in config["lisa_layers"].values())
     report = json.loads((out / "hfcompress_report.json").read_text())
     assert report["validation"]["reload"]["max_abs_logit_diff"] <= 1e-4
+    if "group" in flags:  # one low-rank key per KV group, written into the config the Hub loads
+        kv_heads = config["num_key_value_heads"]
+        assert all(spec["key_heads"] == kv_heads for spec in config["lisa_layers"].values())
+        assert all(f["key_heads"] == kv_heads for f in report["lisa"]["fitted"])
     if "--no-lowrank" in flags:
         assert all(f["rank"] == 0 and f["loss_final"] == f["loss_initial"] for f in report["lisa"]["fitted"])
     else:

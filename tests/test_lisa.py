@@ -3,7 +3,14 @@
 import pytest
 
 from hfcompress.errors import HfcompressError
-from hfcompress.lisa import LayerSimilarity, LisaOptions, ranked_candidates, search_layers_by_perplexity, select_layers
+from hfcompress.lisa import (
+    LayerSimilarity,
+    LisaOptions,
+    lowrank_rank,
+    ranked_candidates,
+    search_layers_by_perplexity,
+    select_layers,
+)
 
 
 def similarity(errors: dict[int, float]) -> list[LayerSimilarity]:
@@ -70,3 +77,13 @@ def test_fit_is_invariant_to_the_input_scale():
     assert fits[0].loss_initial == pytest.approx(fits[1].loss_initial, rel=1e-4)
     assert fits[0].loss_final == pytest.approx(fits[1].loss_final, abs=1e-3 * fits[0].loss_initial)
     assert fits[0].loss_final < 0.9 * fits[0].loss_initial
+
+
+def test_grouped_low_rank_keys_buy_a_higher_rank_at_the_same_compression():
+    """SmolLM2's shape (hidden 576, 9 heads, 3 KV heads, head_dim 64; W_Q + W_K = 576 x 768): at 6x, one low-rank key
+    per head gives rank 6 (2 x 9 x 6 = 108 outputs), one per KV group rank 10 (9 x 10 + 3 x 10 = 120 <= 128)."""
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(hidden_size=576, head_dim=64, num_attention_heads=9, num_key_value_heads=3)
+    assert lowrank_rank(config, 6.0) == lowrank_rank(config, 6.0, "head") == 6
+    assert lowrank_rank(config, 6.0, "group") == 10

@@ -22,6 +22,9 @@ SPECS = {
     },
     "sparse, then dense": {"2": {"rank": 4, "align": "sparse"}, "3": {"rank": 4, "align_hidden": 4}},
     "sparse at rank 0": {"3": {"rank": 0, "align": "sparse"}},
+    # one low-rank key per KV group (2 groups of 2 heads): the feature path, a chain, and dense Align
+    "sparse chain, grouped keys": {"2": {"rank": 4, "align": "sparse", "key_heads": 2}, "3": {"rank": 6, "align": "sparse", "key_heads": 2}},
+    "dense then sparse, grouped keys": {"2": {"rank": 4, "align_hidden": 8, "key_heads": 2}, "3": {"rank": 4, "align": "sparse", "key_heads": 2}},
 }  # fmt: skip
 
 
@@ -66,6 +69,7 @@ def eager_logits(model, ids: torch.Tensor, attention_mask: torch.Tensor | None =
                     scores = scores + align.ffn_out(hidden_ffn).permute(0, 3, 1, 2)
             if attn.rank:
                 q_lr, k_lr = attn.lowrank_qk(x, positions)
+                k_lr = repeat_kv(k_lr, attn.num_heads // k_lr.shape[1])  # grouped keys: each head reads its group's
                 scores = scores + q_lr @ k_lr.transpose(2, 3) / math.sqrt(attn.rank)
         else:
             query = attn.q_proj(x).view(batch, length, -1, attn.head_dim).transpose(1, 2)
@@ -211,3 +215,20 @@ def test_full_layer_decode_row_equals_eager_attention():
         expected_out = attn.o_proj(expected.transpose(1, 2).reshape(2, 1, 64))
     torch.testing.assert_close(row, expected_row)
     torch.testing.assert_close(out, expected_out)
+
+
+def test_grouped_low_rank_keys_cache_one_key_per_kv_group():
+    """key_heads = KV: the layer's low-rank projection and its cache hold KV (not H) low-rank keys."""
+    model = shared_model(SPECS["sparse chain, grouped keys"])
+    attn = model.model.layers[3].self_attn
+    assert attn.key_heads == 2 and attn.k_lowrank.out_features == 2 * 6 and attn.q_lowrank.out_features == 4 * 6
+    with torch.no_grad():
+        cache = model(torch.randint(0, 128, (1, 8)), use_cache=True).cache
+    assert cache.layers[3].keys.shape == (1, 2, 8, 6) and cache.layers[3].values.shape == (1, 2, 8, 16)
+    assert cache.layers[1].keys.shape == (1, 2, 8, 16)  # a full layer: its own K
+
+
+def test_key_heads_must_be_the_heads_or_the_kv_groups():
+    # transformers wraps the ValueError of the config validation in its strict-dataclass error
+    with pytest.raises(Exception, match="key_heads must be num_attention_heads \\(4\\) or num_key_value_heads \\(2\\)"):
+        lisa_copy(LlamaForCausalLM(tiny_config(num_hidden_layers=6)).eval(), lisa_layers={"2": {"rank": 4, "key_heads": 3}})

@@ -1,5 +1,5 @@
 """Calibration/evaluation text sources: wikitext-2 through `datasets` from a real local Hub, the "auto" fallback to
-the built-in text when offline or unreachable (no request offline, one bounded probe online, with a notice), and
+the offline Wikipedia text when offline or unreachable (no request offline, one bounded probe online, with a notice), and
 one-sentence errors for bad values."""
 
 import inspect
@@ -218,15 +218,18 @@ def _forbid_wikitext_load(monkeypatch) -> None:
     monkeypatch.setattr(text_module, "_load_wikitext", load)
 
 
-def test_auto_is_the_builtin_text_when_offline(log, hub_traffic, monkeypatch):
-    """With HF_HUB_OFFLINE "auto" takes the built-in text without asking the Hub at all (no probe, no HTTP request,
-    no datasets load), so an offline machine never waits on the network."""
+def test_auto_is_the_offline_wikipedia_text_when_offline(log, hub_traffic, monkeypatch):
+    """With HF_HUB_OFFLINE "auto" takes the offline Wikipedia text without asking the Hub at all (no probe, no HTTP
+    request, no datasets load), so an offline machine never waits on the network; without gensim, the built-in text."""
     _forbid_wikitext_load(monkeypatch)  # not even a cached copy
     text = load_text("auto", "calibration")  # the autouse fixture of conftest.py set HF_HUB_OFFLINE
     assert hub_traffic.probes == [] and hub_traffic.requests == []
-    assert (text.name, text.held_out) == (BUILTIN_TEXT_NAME, True)
+    expected = WIKI_TEXT_NAME if wiki_file() is not None else BUILTIN_TEXT_NAME
+    assert (text.name, text.held_out) == (expected, True)
     assert log.getvalue().count("\n") == 1
-    assert f"calibration text: {BUILTIN_TEXT_NAME}, first 75% (auto: HF_HUB_OFFLINE is set)" in log.getvalue()
+    assert f"calibration text: {expected}, first 75% (auto: HF_HUB_OFFLINE is set)" in log.getvalue()
+    monkeypatch.setattr(text_module, "wiki_file", lambda: None)
+    assert text_module.offline_text().name == BUILTIN_TEXT_NAME
 
 
 def _online(monkeypatch, endpoint: str) -> None:
@@ -244,7 +247,7 @@ def _probe_url(endpoint: str) -> str:
 
 def test_auto_falls_back_fast_when_the_hub_is_unreachable(monkeypatch, log, hub_traffic):
     """Connection refused: calibration and evaluation together send ONE request, with the probe timeout (no retries,
-    no second probe for evaluation, no datasets load), then both fall back to the built-in text."""
+    no second probe for evaluation, no datasets load), then both fall back to the offline text."""
     endpoint = "http://127.0.0.1:9"  # nothing listens on the discard port: connection refused
     _online(monkeypatch, endpoint)
     _forbid_wikitext_load(monkeypatch)
@@ -253,10 +256,10 @@ def test_auto_falls_back_fast_when_the_hub_is_unreachable(monkeypatch, log, hub_
     timeout = text_module.PROBE_TIMEOUT_S
     assert hub_traffic.probes == [(endpoint, WIKITEXT_REPO, timeout)]
     assert hub_traffic.requests == [("GET", _probe_url(endpoint), _timeouts(timeout))]
-    assert evaluation is calibration and calibration.name == BUILTIN_TEXT_NAME  # evaluation: its held-out part
+    assert evaluation is calibration and calibration.name == text_module.offline_text().name  # its held-out part
     lines = log.getvalue().splitlines()
     assert len(lines) == 2 and all("the Hub at http://127.0.0.1:9 is unreachable (ConnectError)" in line for line in lines)
-    assert f"evaluation text: {BUILTIN_TEXT_NAME}, held-out last 25% (auto:" in lines[1]
+    assert f"evaluation text: {calibration.name}, held-out last 25% (auto:" in lines[1]
 
 
 def test_auto_is_bounded_when_the_hub_never_answers(monkeypatch, log, hub_traffic):
@@ -279,7 +282,7 @@ def test_auto_is_bounded_when_the_hub_never_answers(monkeypatch, log, hub_traffi
             watchdog.cancel()
     assert hub_traffic.probes == [(endpoint, WIKITEXT_REPO, 0.5)]
     assert hub_traffic.requests == [("GET", _probe_url(endpoint), _timeouts(0.5))]
-    assert text.name == BUILTIN_TEXT_NAME
+    assert text.name == text_module.offline_text().name
     assert f"the Hub at {endpoint} is unreachable (ReadTimeout)" in log.getvalue()
 
 

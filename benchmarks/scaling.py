@@ -32,6 +32,11 @@ RUNS = {
     # every other layer: each shared layer reads an unshared layer's scores (no chains of approximations)
     "wiki-lisa15-alternate-calib4k": ["--lisa-layers", ",".join(str(i) for i in range(1, 30, 2)), "--lisa-align", "sparse",
                                       "--max-ppl-increase", "10", "--distill-tokens", "0"] + WIKI_TEXTS,
+    "wiki-lisa15-group-calib4k": LISA15 + WIKI_TEXTS + ["--lisa-lowrank-keys", "group", "--distill-tokens", "0"],
+    "wiki-lisa15-distill64k": LISA15 + WIKI_TEXTS + ["--distill-tokens", "65536"],
+    "wiki-lisa15-group-distill64k": LISA15 + WIKI_TEXTS + ["--lisa-lowrank-keys", "group", "--distill-tokens", "65536"],
+    "wiki-fasc09-fisher-distill16k": FASC09 + WIKI_TEXTS + ["--distill-tokens", "16384"],
+    "wiki-fasc09-fisher-distill64k": FASC09 + WIKI_TEXTS + ["--distill-tokens", "65536"],
     "wiki-lisa15-calib131k-distill64k": LISA15 + WIKI_TEXTS + ["--calib-sequences", "256", "--seq-len", "512", "--distill-tokens", "65536"],
     "wiki-fasc09-fisher-calib131k-distill16k": FASC09 + WIKI_TEXTS + ["--calib-sequences", "256", "--seq-len", "512", "--distill-tokens", "16384"],
 }

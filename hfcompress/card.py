@@ -305,6 +305,7 @@ def render_card(report: dict, repo_id: str) -> ModelCard:
         num_layers=report["num_layers"],
         lisa_layers=lisa["layers"],
         lisa_rank=lisa.get("rank"),
+        lisa_grouped_keys=(lisa.get("options") or {}).get("lowrank_keys") == "group",
         qk_compression=lisa.get("qk_compression_measured"),
         lisa_table=[{**similarity.get(f["layer"], {}), **f} for f in lisa["fitted"]],
         fasc_layers=fasc_layers,

@@ -297,6 +297,7 @@ def test_alignment_variants_convert_and_reload(tiny_llama_dir, tmp_path, flags):
         kv_heads = config["num_key_value_heads"]
         assert all(spec["key_heads"] == kv_heads for spec in config["lisa_layers"].values())
         assert all(f["key_heads"] == kv_heads for f in report["lisa"]["fitted"])
+        assert "one low-rank key per KV group" in (out / "README.md").read_text()
     if "--no-lowrank" in flags:
         assert all(f["rank"] == 0 and f["loss_final"] == f["loss_initial"] for f in report["lisa"]["fitted"])
     else:

@@ -9,15 +9,15 @@
 * `wiki`: 106 English Wikipedia articles (Anarchism, Autism, Albedo, Algorithm, ...; a 2013 dump excerpt that gensim
   ships as test data, `enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2`), offline. The wikitext
   markup is stripped with mwparserfromhell; tables, image captions, categories and the reference/link sections at
-  each article's end are dropped: 3.0 MB of prose, ~700k SmolLM2 tokens, so the anchors' calibration sizes (GPTQ's
+  each article's end are dropped: 3.1 MB of prose, ~736k SmolLM2 tokens, so the anchors' calibration sizes (GPTQ's
   128 x 2,048) fit in it. Calibration reads its first 75%, evaluation its held-out last 25%.
 * a FILE: UTF-8 text. As calibration text its first 75% is used; as evaluation text all of it.
 * `hf:OWNER/NAME[:CONFIG]`: the `text` column of any `datasets` dataset on the Hub (train split for calibration,
   test split for evaluation), pinned to the commit the Hub names at load time.
 * `auto` (the default): wikitext-2 when the Hub answers, else `wiki` (the same kind of text, offline; `builtin` where
   gensim or mwparserfromhell is missing); for evaluation: the held-out last 25% of the calibration text. Calibration
-  never sees the text perplexity is measured on. Measured on SmolLM2 (6 shared layers, README): calibrating on the
-  Python reference instead gave +9.0% on its own held-out text and +14.0% on news; on `wiki`, +5.3% and +7.4%.
+  never sees the text perplexity is measured on. What the calibration text costs on other text, measured: README,
+  "Calibration and evaluation text".
 
 `--ood-text` names a second evaluation text of another domain than calibration, scored whole:
 * `news` (what `auto` picks when it is installed): 300 ABC news articles, the background corpus of Lee, Pincombe and

@@ -86,7 +86,7 @@ def report() -> None:
     print("## Distillation tokens (learning curve of the distillation stage, 4,096 tokens per text)\n")
     for name, data in results.items():
         distill = data["finishers"].get("distillation")
-        if not distill:
+        if not distill or distill["curve_tokens"] != 4096:  # the curve and the baseline on the same 4,096 tokens
             continue
         texts = [row["eval_text"] for row in data["validation"]["texts"]]
         base = {row["eval_text"]: row["original"]["perplexity"] for row in data["validation"]["texts"]}

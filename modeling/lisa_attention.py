@@ -96,7 +96,7 @@ def allocate_lisa_static(layer: StaticLayer, key_states: torch.Tensor, value_sta
 
 
 class LisaDynamicLayer(DynamicLayer):
-    """Dynamic cache of a full-attention LISA layer (cache layer type "lisa_attention"): low-rank keys (B, H, T, r) and
+    """Dynamic cache of a full-attention LISA layer (cache layer type "lisa_attention"): low-rank keys (B, H or KV, T, r) and
     values (B, KV, T, head_dim), concatenated like any layer's."""
 
     _layer_type = "lisa_attention"  # registers the class for DynamicCache(config=...)

@@ -13,6 +13,7 @@ the calibration axis from separate runs with no distillation.
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -124,8 +125,9 @@ def report() -> None:
             calibrate_s = sum(v for k, v in timings.items() if k.startswith("calibrate"))
             cells = [f"{increases[t]:+.1f}%" for t in texts]
             print(f"| {tokens:,} | {name} | " + " | ".join(cells) + f" | {calibrate_s:.0f} | {timings.get('convert', 0):.0f} |")
+        curve = [r for r in rows if re.fullmatch(r"(wiki-)?lisa15-(sparse-)?calib\d+k", r[1])]  # variants: table only
         for text, style in zip(texts, ("-o", "--s")):
-            axes[1].plot([r[0] for r in rows], [r[2][text] for r in rows], style, label=short(text))
+            axes[1].plot([r[0] for r in curve], [r[2][text] for r in curve], style, label=short(text))
         axes[1].set_xscale("log")
         axes[1].set_xlabel("calibration tokens")
         axes[1].set_ylabel("perplexity increase (%)")

@@ -43,7 +43,7 @@ AUTO, BUILTIN, WIKI, WIKITEXT, NEWS, NONE = "auto", "builtin", "wiki", "wikitext
 DATASET_PREFIX = "hf:"  # hf:REPO[:CONFIG], any `datasets` text dataset on the Hub
 BUILTIN_TEXT_NAME = "python-language-reference (pydoc_data.topics)"
 NEWS_TEXT_NAME = "lee-news (Lee et al. 2005 background corpus, 300 ABC news articles; gensim test data)"
-NEWS_DISTRIBUTION, NEWS_FILE = "gensim", "gensim/test/test_data/lee_background.cor"
+GENSIM_DISTRIBUTION, NEWS_FILE = "gensim", "gensim/test/test_data/lee_background.cor"
 WIKI_TEXT_NAME = "enwiki-sample (106 Wikipedia articles, a 2013 dump excerpt; gensim test data)"
 WIKI_FILE = "gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 # headings after which a Wikipedia article is lists of references and links, not prose
@@ -98,26 +98,25 @@ def builtin_text() -> str:
     return "\n\n".join(topics[key].strip() for key in sorted(topics))
 
 
-def news_file() -> Path | None:
-    """The Lee news corpus file of the installed gensim distribution (located, not imported), or None."""
+def gensim_data_file(relative: str) -> Path | None:
+    """A data file of the installed gensim distribution (located, not imported), or None."""
     from importlib.metadata import PackageNotFoundError, distribution
 
     try:
-        path = Path(distribution(NEWS_DISTRIBUTION).locate_file(NEWS_FILE))
+        path = Path(distribution(GENSIM_DISTRIBUTION).locate_file(relative))
     except PackageNotFoundError:
         return None
     return path if path.is_file() else None
+
+
+def news_file() -> Path | None:
+    """The Lee news corpus file, or None without gensim."""
+    return gensim_data_file(NEWS_FILE)
 
 
 def wiki_file() -> Path | None:
-    """The Wikipedia dump excerpt of the installed gensim distribution (located, not imported), or None."""
-    from importlib.metadata import PackageNotFoundError, distribution
-
-    try:
-        path = Path(distribution(NEWS_DISTRIBUTION).locate_file(WIKI_FILE))
-    except PackageNotFoundError:
-        return None
-    return path if path.is_file() else None
+    """The Wikipedia dump excerpt, or None without gensim."""
+    return gensim_data_file(WIKI_FILE)
 
 
 def wiki_article_prose(wikitext: str) -> str:

@@ -316,19 +316,42 @@ class FittedLayer:
     key_heads: int | None = None  # low-rank key heads (None: one per attention head)
 
 
+# What a shared layer reads from the (converted) layer below, for every calibration sequence. A sparse Align's scores
+# are linear in the layer below's (scaled query, key) features, so those are kept: N x H x T x (D + r) numbers instead
+# of the N x H x T x T scores (7x less at T = 512, 29x at 2,048: 0.7 instead of 2.4 GB at 256 x 512). A dense Align
+# is non-linear in the scores, so it reads them.
+Below = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+def hands_features(options: LisaOptions) -> bool:
+    return options.align != "dense"
+
+
+def rows(below: Below, index: torch.Tensor | slice) -> Below:
+    """The calibration sequences `index` of what the layer below hands over."""
+    return tuple(t[index] for t in below) if isinstance(below, tuple) else below[index]
+
+
+def scores_of(below: Below) -> torch.Tensor:
+    """Pre-softmax scores (B, H, T, T) of what the layer below hands over (features: query @ key^T by KV group)."""
+    if isinstance(below, tuple):
+        return import_remote("lisa_attention").grouped_scores(*below)
+    return below
+
+
 def fit_shared_layer(
     config,
     original: nn.Module,
     cos_sin: tuple[torch.Tensor, torch.Tensor],
     layer_idx: int,
     x: torch.Tensor,
-    prev_scores: torch.Tensor,
+    below: Below,
     matching: list[int],
     rank: int,
     options: LisaOptions,
 ) -> tuple[nn.Module, FittedLayer]:
     """Train Align + low-rank Q/K of one shared layer (original attention module `original`, its calibration inputs
-    x, the converted layer below's scores) on x's device; returns the module and its fit record."""
+    x, what the converted layer below hands over: `Below`) on x's device; returns the module and its fit record."""
     start = time.perf_counter()
     align = "dense" if options.align == "dense" else "sparse"  # identity = a sparse Align that stays the identity
     align_hidden = options.align_hidden if align == "dense" else 0
@@ -365,7 +388,7 @@ def fit_shared_layer(
         )
         sample = slice(0, min(len(x), 8))
         if options.align != "identity":
-            mix = alignment_mix(full_attention_scores(original, x[sample], cos_sin), prev_scores[sample], matching)
+            mix = alignment_mix(full_attention_scores(original, x[sample], cos_sin), scores_of(rows(below, sample)), matching)
             if align == "dense":
                 module.align.mix.copy_(mix)
             else:
@@ -386,7 +409,7 @@ def fit_shared_layer(
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, options.steps))
 
     def loss_on(idx: torch.Tensor) -> torch.Tensor:
-        out, _ = module(x[idx], positions.expand(len(idx), -1), mask, prev_scores[idx])
+        out, _ = module(x[idx], positions.expand(len(idx), -1), mask, rows(below, idx))
         return (out - target[idx]).pow(2).mean() / target_power
 
     with torch.no_grad():
@@ -426,16 +449,23 @@ def shared_attention(config, record: FittedLayer, device: torch.device | str = "
 
 
 @torch.no_grad()
-def converted_scores(module: nn.Module, x: torch.Tensor, prev_scores: torch.Tensor | None, cos_sin, batch_size: int):
-    """Pre-softmax scores of a (converted) layer for all calibration sequences."""
-    if prev_scores is None:
-        return torch.cat([full_attention_scores(module, x[i : i + batch_size], cos_sin) for i in range(0, len(x), batch_size)])
-    positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+def handed_over(module: nn.Module, x: torch.Tensor, below: Below | None, cos_sin, options: LisaOptions) -> Below:
+    """What a (converted) layer hands the shared layer above it, for all calibration sequences, as the modeling hands
+    it at prefill: (scaled query, key) features when the Align is sparse, else pre-softmax scores. `below` is what
+    this layer read itself (None: an original layer)."""
+    seq_len = x.shape[1]
+    positions = torch.arange(seq_len, device=x.device).unsqueeze(0)
+    mask = causal_mask(seq_len, device=x.device, window=module.sliding_window)
+    handoff = "features" if hands_features(options) else "scores"
     parts = []
-    for i in range(0, len(x), batch_size):
-        xb = x[i : i + batch_size]
-        parts.append(module.scores(prev_scores[i : i + batch_size], *module.lowrank_qk(xb, positions.expand(len(xb), -1))))
-    return torch.cat(parts)
+    for i in range(0, len(x), options.batch_size):
+        xb = x[i : i + options.batch_size]
+        if below is None:
+            q, k = module.query_key(xb, cos_sin)
+            parts.append((q * module.scaling, k) if handoff == "features" else full_attention_scores(module, xb, cos_sin))
+        else:
+            parts.append(module(xb, positions.expand(len(xb), -1), mask, rows(below, slice(i, i + len(xb))), handoff=handoff)[1])
+    return tuple(torch.cat(t) for t in zip(*parts)) if isinstance(parts[0], tuple) else torch.cat(parts)
 
 
 def fit_lisa(
@@ -455,20 +485,20 @@ def fit_lisa(
     layers = model.model.layers
     fitted: list[FittedLayer] = []
     converted: dict[int, nn.Module] = {}
-    prev_scores = None
+    below = None
     for idx in progress_bar(range(chosen[-1] + 1), "lisa: fit shared layers"):
         cos_sin = rotary(model, attn_inputs[0][:1], idx)
         if idx in chosen:
             module, record = fit_shared_layer(
-                model.config, layers[idx].self_attn, cos_sin, idx, attn_inputs[idx], prev_scores, matching[idx], rank, options
+                model.config, layers[idx].self_attn, cos_sin, idx, attn_inputs[idx], below, matching[idx], rank, options
             )
             converted[idx] = module
             fitted.append(record)
         if idx + 1 in chosen:  # the next layer anchors on this one's (converted) scores
             module = converted.get(idx, layers[idx].self_attn)
-            prev_scores = converted_scores(module, attn_inputs[idx], prev_scores if idx in converted else None, cos_sin, options.batch_size)
+            below = handed_over(module, attn_inputs[idx], below if idx in converted else None, cos_sin, options)
         else:
-            prev_scores = None
+            below = None
     return fitted
 
 
@@ -510,7 +540,7 @@ class LisaMethod(Method):
         self.search: dict | None = None
         self.records: list[FittedLayer] = []  # fit records of the layers converted so far (weights dropped)
         self.qk_params: list[int] = []
-        self.prev_scores: torch.Tensor | None = None  # converted scores of the layer below, on calibration inputs
+        self.below: Below | None = None  # what the converted layer below hands over, on calibration inputs
         self._previous: tuple[int, tuple[torch.Tensor, torch.Tensor, int | None]] | None = None
         self.similarity: list[LayerSimilarity] = []
 
@@ -575,7 +605,7 @@ class LisaMethod(Method):
             self.chosen = select_layers(similarity, planner.num_layers, options)
         self.rank = lowrank_rank(config, options.qk_compression, options.lowrank_keys) if self.chosen and options.lowrank else 0
         self.config = config
-        self.records, self.qk_params, self.prev_scores = [], [], None
+        self.records, self.qk_params, self.below = [], [], None
 
     def touches(self, index: int) -> bool:
         return index in self.chosen or index + 1 in self.chosen
@@ -583,7 +613,7 @@ class LisaMethod(Method):
     def apply(self, ctx: LayerContext, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         idx = ctx.index
         if not self.touches(idx):
-            self.prev_scores = None
+            self.below = None
             return state
         x = ctx.attention_input()
         cos_sin = ctx.cos_sin(x.shape[1])
@@ -593,15 +623,15 @@ class LisaMethod(Method):
             below = [layer for layer in self.chosen if layer <= idx]  # a fit depends on its anchors: the chain below
 
             def fit() -> FittedLayer:
-                return fit_shared_layer(self.config, module, cos_sin, idx, x, self.prev_scores, matching, self.rank, self.options)[1]
+                return fit_shared_layer(self.config, module, cos_sin, idx, x, self.below, matching, self.rank, self.options)[1]
 
             record = load_or_compute(self.store / f"fit-{cache_key(below, self.settings())}.pt", fit)
             module = shared_attention(self.config, record, ctx.device)
             state = replace_qk(state, record)
             self.qk_params.append(shared_qk_parameters(record))
             self.records.append(replace(record, state={}))
-        prev = self.prev_scores if idx in self.chosen else None
-        self.prev_scores = converted_scores(module, x, prev, cos_sin, self.options.batch_size) if idx + 1 in self.chosen else None
+        below = self.below if idx in self.chosen else None
+        self.below = handed_over(module, x, below, cos_sin, self.options) if idx + 1 in self.chosen else None
         return state
 
     def config_entries(self) -> dict:
@@ -614,10 +644,10 @@ class LisaMethod(Method):
         return {"lisa_layers": {str(layer): dict(spec) for layer in self.chosen}}
 
     def resume_state(self) -> dict:
-        return {"records": self.records, "qk_params": self.qk_params, "prev_scores": self.prev_scores}
+        return {"records": self.records, "qk_params": self.qk_params, "below": self.below}
 
     def restore(self, state: dict) -> None:
-        self.records, self.qk_params, self.prev_scores = state["records"], state["qk_params"], state["prev_scores"]
+        self.records, self.qk_params, self.below = state["records"], state["qk_params"], state["below"]
 
     def report(self) -> dict:
         config = self.config

@@ -87,3 +87,39 @@ def test_grouped_low_rank_keys_buy_a_higher_rank_at_the_same_compression():
     config = SimpleNamespace(hidden_size=576, head_dim=64, num_attention_heads=9, num_key_value_heads=3)
     assert lowrank_rank(config, 6.0) == lowrank_rank(config, 6.0, "head") == 6
     assert lowrank_rank(config, 6.0, "group") == 10
+
+
+@pytest.mark.parametrize("lowrank_keys", ["head", "group"])
+def test_sparse_fits_read_the_features_below_and_fit_as_from_its_scores(lowrank_keys):
+    """A sparse Align's scores are linear in the layer below's (scaled query, key) features, so a chain of shared
+    layers is fitted from those (N x H x T x (D + r)) instead of the N x H x T x T scores: the scores they give are
+    the scores, and a fit from features matches a fit from the same scores."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hfcompress.lisa import fit_shared_layer, handed_over, in_converted_classes, rotary, scores_of
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8)
+    model = in_converted_classes(LlamaForCausalLM(config).eval())
+    x = torch.randn(8, 16, 32) * 0.3
+    cos_sin = rotary(model, x[:1], 1)
+    layers = model.model.layers
+    options = LisaOptions(steps=10, batch_size=4, lowrank_keys=lowrank_keys)
+    dense_handoff = LisaOptions(steps=10, batch_size=4, align="dense")  # the same layers handing scores
+    features = handed_over(layers[0].self_attn, x, None, cos_sin, options)
+    scores = handed_over(layers[0].self_attn, x, None, cos_sin, dense_handoff)
+    assert isinstance(features, tuple) and features[0].shape[-1] == 8 and features[1].shape[1] == 2  # KV heads: no copy
+    torch.testing.assert_close(scores_of(features), scores, atol=1e-5, rtol=1e-5)
+
+    fits = [fit_shared_layer(model.config, layers[1].self_attn, cos_sin, 1, x, below, [1, 0, 3, 2], 4, options)
+            for below in (features, scores)]
+    assert fits[0][1].loss_initial == pytest.approx(fits[1][1].loss_initial, rel=1e-4)
+    assert fits[0][1].loss_final == pytest.approx(fits[1][1].loss_final, rel=1e-3)
+    module = fits[0][0]
+    passed = handed_over(module, x, features, cos_sin, options)  # layer 2 of a chain reads the shared layer 1
+    assert passed[0].shape[-1] == 8 + 4 and passed[1].shape[1] == 4  # keys re-ordered to this layer's heads
+    positions = torch.arange(16).unsqueeze(0).expand(8, -1)
+    expected = module.scores(scores, *module.lowrank_qk(x, positions))
+    torch.testing.assert_close(scores_of(passed), expected, atol=1e-5, rtol=1e-5)

@@ -28,6 +28,7 @@
 """
 
 import importlib.util
+import os
 import re
 from dataclasses import asdict, dataclass
 from functools import lru_cache
@@ -146,13 +147,19 @@ def offline_text() -> "Text":
     return Text(BUILTIN_TEXT_NAME, builtin_text(), held_out=True)
 
 
+def text_cache_dir() -> Path:
+    """Where parsed texts are cached: $HFCOMPRESS_TEXT_CACHE, else texts/ in the hfcompress cache directory. A parsed
+    text depends on its source file only, so caches that are otherwise kept apart (the tests') can share it."""
+    from .config import default_cache_dir
+
+    return Path(os.environ["HFCOMPRESS_TEXT_CACHE"]) if os.environ.get("HFCOMPRESS_TEXT_CACHE") else default_cache_dir() / "texts"
+
+
 def wiki_text() -> str:
     """The `wiki` text: every article (namespace 0, not a redirect) of the dump excerpt, in dump order. Parsing takes
-    ~10 s, so the result is cached under the hfcompress cache directory, keyed by the dump's size."""
+    ~10 s, so the result is cached (`text_cache_dir`), keyed by the dump's size."""
     import bz2
     import xml.etree.ElementTree as ET
-
-    from .config import default_cache_dir
 
     source = wiki_file()
     if source is None:
@@ -160,7 +167,7 @@ def wiki_text() -> str:
             f"'{WIKI}': the Wikipedia excerpt comes with the gensim wheel, which is not installed: run "
             "`pip install --no-deps gensim==4.4.0 mwparserfromhell`, or pass another text."
         )
-    cached = default_cache_dir() / "texts" / f"enwiki-sample-{source.stat().st_size}-v2.txt"
+    cached = text_cache_dir() / f"enwiki-sample-{source.stat().st_size}-v2.txt"
     if cached.is_file():
         return cached.read_text(encoding="utf-8")
     root = ET.fromstring(bz2.decompress(source.read_bytes()))

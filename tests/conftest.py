@@ -35,6 +35,15 @@ def _offline_unless_local_hub(request, monkeypatch):
     monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _one_parsed_text_cache(tmp_path_factory):
+    """Tests keep their calibration caches apart (HFCOMPRESS_CACHE per test), but parsing the Wikipedia excerpt takes
+    ~10 s and depends on nothing a test changes: one parsed copy serves the session, its subprocesses included."""
+    os.environ["HFCOMPRESS_TEXT_CACHE"] = str(tmp_path_factory.mktemp("texts"))
+    yield
+    os.environ.pop("HFCOMPRESS_TEXT_CACHE", None)
+
+
 # ----------------------------------------------------------------------------------------------------- local Hub
 @pytest.fixture
 def local_hub(tmp_path_factory, monkeypatch):

@@ -29,11 +29,12 @@ def test_unconverted_lisa_llama_equals_llama(smollm2):
 
 def test_builtin_gguf_converts_sharded_with_a_perplexity_budget(tmp_path):
     """The built-in GGUF through the one driver with --max-shard-size and --lisa-ppl-budget in the same run: a sharded
-    bf16 output with its index that reloads in a fresh process with the logits the conversion computed."""
+    bf16 output with its index that reloads in a fresh process with the logits the conversion computed. Every probe of
+    the search fits its layers afresh (their anchors differ), so the fits are short: this tests the search, not a fit."""
     out = tmp_path / "smollm2-lisa"
     proc = subprocess.run(
         [sys.executable, "-m", "hfcompress.cli", "convert", "--out", str(out), "--max-shard-size", "100MB",
-         "--lisa-ppl-budget", "10", "--lisa-steps", "20", "--calib-sequences", "8", "--eval-tokens", "1024",
+         "--lisa-ppl-budget", "5", "--lisa-steps", "5", "--calib-sequences", "8", "--eval-tokens", "1024",
          "--max-ppl-increase", "100", "--no-probe", "--no-speed", "--distill-tokens", "0"],  # each has its own tests
         capture_output=True, text=True, env={**os.environ, "HFCOMPRESS_CACHE": str(tmp_path / "cache")},
     )

@@ -34,9 +34,10 @@ RUNS = {
     "wiki-lisa15-alternate-calib4k": ["--lisa-layers", ",".join(str(i) for i in range(1, 30, 2)), "--lisa-align", "sparse",
                                       "--max-ppl-increase", "10", "--distill-tokens", "0"] + WIKI_TEXTS,
     "wiki-lisa15-group-calib4k": LISA15 + WIKI_TEXTS + ["--lisa-lowrank-keys", "group", "--distill-tokens", "0"],
-    # the local fit's budget and capacity: 4x the Adam steps per layer (it overfits 4k tokens); Q/K 3x instead of 6x smaller
+    # the local fit's budget and capacity: 4x the Adam steps per layer (it overfits 4k tokens); Q/K 3x instead of 6x
+    # smaller, on a calibration it cannot overfit
     "wiki-lisa15-steps400-calib4k": LISA15 + WIKI_TEXTS + ["--lisa-steps", "400", "--distill-tokens", "0"],
-    "wiki-lisa15-qk3-calib4k": LISA15 + WIKI_TEXTS + ["--qk-compression", "3", "--distill-tokens", "0"],
+    "wiki-lisa15-qk3-calib33k": LISA15 + WIKI_TEXTS + ["--qk-compression", "3", "--distill-tokens", "0", "--calib-sequences", "64", "--seq-len", "512"],
     "wiki-lisa15-distill64k": LISA15 + WIKI_TEXTS + ["--distill-tokens", "65536"],
     "wiki-lisa15-group-distill64k": LISA15 + WIKI_TEXTS + ["--lisa-lowrank-keys", "group", "--distill-tokens", "65536"],
     "wiki-fasc09-fisher-distill16k": FASC09 + WIKI_TEXTS + ["--distill-tokens", "16384"],

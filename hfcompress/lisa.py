@@ -494,7 +494,7 @@ def fit_lisa(
             )
             converted[idx] = module
             fitted.append(record)
-        if idx + 1 in chosen:  # the next layer anchors on this one's (converted) scores
+        if idx + 1 in chosen:  # the next layer anchors on what this (converted) one hands over
             module = converted.get(idx, layers[idx].self_attn)
             below = handed_over(module, attn_inputs[idx], below if idx in converted else None, cos_sin, options)
         else:

@@ -47,6 +47,22 @@ def test_perplexity_search_takes_the_most_layers_within_budget(limit, expected):
     assert all(p["layers"] == sorted(ranked[: p["count"]]) for p in probes)
 
 
+def tiny_converted_llama(num_layers: int):
+    """A random tiny Llama in the converted classes (4 heads, 2 KV heads, head_dim 8), 8 random attention inputs of 16
+    tokens, and the RoPE of those positions."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hfcompress.lisa import in_converted_classes, rotary
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    model = in_converted_classes(LlamaForCausalLM(config).eval())
+    x = torch.randn(8, 16, 32) * 0.3
+    return model, x, rotary(model, x[:1], 1)
+
+
 def test_fit_is_invariant_to_the_input_scale():
     """Adam's step has a fixed size in weight space, so a low-rank Q/K fit at one rate would move 10x larger inputs'
     scores 10x faster (Gemma 3's attention inputs are 4-10x SmolLM2's, and diverged): the fit scales the low-rank
@@ -55,16 +71,10 @@ def test_fit_is_invariant_to_the_input_scale():
     import copy
 
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hfcompress.lisa import fit_shared_layer, full_attention_scores, in_converted_classes, rotary
+    from hfcompress.lisa import fit_shared_layer, full_attention_scores
 
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=8)
-    model = in_converted_classes(LlamaForCausalLM(config).eval())
-    x = torch.randn(8, 16, 32) * 0.3
-    cos_sin = rotary(model, x[:1], 1)
+    model, x, cos_sin = tiny_converted_llama(num_layers=2)
     below, attn = model.model.layers[0].self_attn, model.model.layers[1].self_attn
     with torch.no_grad():
         prev_scores = full_attention_scores(below, x, cos_sin)
@@ -95,16 +105,10 @@ def test_sparse_fits_read_the_features_below_and_fit_as_from_its_scores(lowrank_
     layers is fitted from those (N x H x T x (D + r)) instead of the N x H x T x T scores: the scores they give are
     the scores, and a fit from features matches a fit from the same scores."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hfcompress.lisa import fit_shared_layer, handed_over, in_converted_classes, rotary, scores_of
+    from hfcompress.lisa import fit_shared_layer, handed_over, scores_of
 
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=8)
-    model = in_converted_classes(LlamaForCausalLM(config).eval())
-    x = torch.randn(8, 16, 32) * 0.3
-    cos_sin = rotary(model, x[:1], 1)
+    model, x, cos_sin = tiny_converted_llama(num_layers=3)
     layers = model.model.layers
     options = LisaOptions(steps=10, batch_size=4, lowrank_keys=lowrank_keys)
     dense_handoff = LisaOptions(steps=10, batch_size=4, align="dense")  # the same layers handing scores

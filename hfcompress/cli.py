@@ -85,7 +85,8 @@ def convert(
     lisa_lowrank_keys: str = typer.Option(
         LisaOptions.lowrank_keys, help="Low-rank keys of a shared layer: one per head, or one per KV group (GQA: a smaller K cache, and a higher rank at the same --qk-compression)."
     ),
-    lisa_steps: int = typer.Option(LisaOptions.steps, help="Distillation steps per shared layer."),
+    lisa_steps: int = typer.Option(LisaOptions.steps, help="Adam steps of each shared layer's local fit."),
+    lisa_batch_size: int = typer.Option(LisaOptions.batch_size, help="Calibration sequences per step of a shared layer's local fit."),
     fasc_budget: float = typer.Option(1.0, help="FASC: fraction of targeted linear parameters kept (1.0 = off)."),
     fasc_method: str = typer.Option("fisher", help=f"FASC subspace: {', '.join(METHODS)}."),
     fasc_targets: str = typer.Option(",".join(DEFAULT_TARGETS), help="FASC: linear layers to factorise."),
@@ -168,6 +169,7 @@ def convert(
                 lowrank=lowrank,
                 lowrank_keys=lisa_lowrank_keys,
                 steps=lisa_steps,
+                batch_size=lisa_batch_size,
                 seed=seed,
             ),
             fasc=FascOptions(

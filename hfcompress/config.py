@@ -131,6 +131,7 @@ class ConvertOptions:
         _at_least(lisa.protect_first, 0, "--protect-first")
         _at_least(lisa.align_hidden, 0, "--align-hidden")
         _at_least(lisa.steps, 0, "--lisa-steps")
+        _at_least(lisa.batch_size, 1, "--lisa-batch-size")
         if not lisa.qk_compression > 1.0:
             raise HfcompressError(f"--qk-compression must be > 1 (how many times smaller Q/K get), got {lisa.qk_compression}.")
 

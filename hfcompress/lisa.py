@@ -300,6 +300,7 @@ ABLATIONS = {
     "linear + low-rank": dict(align="dense", align_hidden=0),
     "sparse + low-rank": dict(align="sparse"),  # the default
 }
+FIT_REPORT_SEQUENCES = 16  # the fit record's initial and final losses are on the first 16 calibration sequences
 SELECTION_ONLY = ("share_ratio", "layers", "protect_first", "ppl_budget")  # LisaOptions that do not change a fit
 
 
@@ -413,7 +414,7 @@ def fit_shared_layer(
         return (out - target[idx]).pow(2).mean() / target_power
 
     with torch.no_grad():
-        everything = torch.arange(min(len(x), 4 * options.batch_size))
+        everything = torch.arange(min(len(x), FIT_REPORT_SEQUENCES))
         loss_initial = loss_on(everything).item()
     for _ in range(options.steps if trainable else 0):
         idx = torch.randint(len(x), (options.batch_size,), generator=generator)

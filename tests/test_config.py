@@ -28,6 +28,7 @@ BAD = [
     (["--lisa-lowrank-keys", "kv"], "Unknown --lisa-lowrank-keys 'kv': choose one of head, group"),
     (["--qk-compression", "1"], "--qk-compression must be > 1"),
     (["--lisa-steps", "-1"], "--lisa-steps must be a whole number >= 0"),
+    (["--lisa-batch-size", "0"], "--lisa-batch-size must be a whole number >= 1"),
     (["--fasc-budget", "0"], "--fasc-budget must be in (0, 1]"),
     (["--fasc-budget", "1.5"], "--fasc-budget must be in (0, 1]"),
     (["--fasc-method", "magic"], "fisher, whiten, svd, pca"),

@@ -45,7 +45,7 @@ def test_builtin_gguf_converts_sharded_with_a_perplexity_budget(tmp_path):
     chosen = report["lisa"]["layers"]
     assert min(chosen, default=2) >= 2 and len(chosen) == max([p["count"] for p in search["probes"] if p["within_budget"]], default=0)
     if chosen:
-        assert report["lisa"]["qk_compression_measured"] >= 6
+        assert report["lisa"]["qk_compression_measured"] >= 3
     assert report["dtype"] == "bfloat16"  # a GGUF source is saved as bf16, validated on the rounded weights
     assert report["validation"]["reload"]["mode"] == "logits" and report["validation"]["reload"]["max_abs_logit_diff"] <= 1e-4
 

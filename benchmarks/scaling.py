@@ -45,6 +45,9 @@ RUNS = {
     "wiki-lisa15-group-qk3-steps600b1-calib33k-distill16k": LISA15 + WIKI_TEXTS + [
         "--lisa-lowrank-keys", "group", "--qk-compression", "3", "--lisa-steps", "600", "--lisa-batch-size", "1",
         "--calib-sequences", "64", "--seq-len", "512", "--distill-tokens", "16384"],
+    "wiki-lisa15-group-qk3-steps600b1-calib33k-distill64k": LISA15 + WIKI_TEXTS + [
+        "--lisa-lowrank-keys", "group", "--qk-compression", "3", "--lisa-steps", "600", "--lisa-batch-size", "1",
+        "--calib-sequences", "64", "--seq-len", "512", "--distill-tokens", "65536"],
     "wiki-lisa15-distill64k": LISA15 + OLD_FIT + WIKI_TEXTS + ["--distill-tokens", "65536"],
     "wiki-lisa15-group-distill64k": LISA15 + OLD_FIT + WIKI_TEXTS + ["--lisa-lowrank-keys", "group", "--distill-tokens", "65536"],
     "wiki-fasc09-fisher-distill16k": FASC09 + WIKI_TEXTS + ["--distill-tokens", "16384"],
@@ -140,15 +143,17 @@ def report() -> None:
         for text, style in zip(texts, ("-o", "--s")):
             axes[1].plot([r[0] for r in curve], [r[2][text] for r in curve], style, label=f"rank 6 per head: {short(text)}")
         # the larger local fits (rank 14 per head, rank 20 per KV group), before distillation, as points
+        drawn = set()
         for name, data in results.items():
-            if "qk3" not in name or not name.startswith("wiki-"):
-                continue
+            fit = "rank 20 per group, 600x1" if "group" in name else "rank 14 per head"
+            if "qk3" not in name or not name.startswith("wiki-") or fit in drawn:
+                continue  # runs that differ only in distillation tokens share their 0-token point
+            drawn.add(fit)
             base = {row["eval_text"]: row["original"]["perplexity"] for row in data["validation"]["texts"]}
             distill = data["finishers"].get("distillation")
             start = distill["perplexity"][0] if distill else None
             for text, marker in zip(texts, ("^", "v")):
                 value = 100 * (start[text] / base[text] - 1) if start else data["validation"]["texts"][texts.index(text)]["perplexity_increase_pct"]
-                fit = "rank 20 per group, 600x1" if "group" in name else "rank 14 per head"
                 axes[1].plot([data["calibration"]["tokens"]], [value], marker, label=f"{fit}: {short(text)}")
         axes[1].axhline(10, color="gray", linewidth=0.8)
         axes[1].set_xscale("log")

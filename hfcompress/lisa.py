@@ -38,8 +38,8 @@ class LisaOptions:
     layers: list[int] | None = None  # explicit choice instead of share_ratio
     ppl_budget: float | None = None  # percent: share as many layers as keep perplexity within it (searched)
     protect_first: int = 2  # shallow layers are never shared
-    # shared Q/K parameters >= this many times smaller than W_Q + W_K (the paper's 6 halves the rank; at 3, with keys per
-    # KV group, SmolLM2 gets rank 20 and a K cache still smaller than rank 6 per head: benchmarks/scaling.py)
+    # shared Q/K parameters >= this many times smaller than W_Q + W_K. The paper's 6 gave SmolLM2 rank 6 per head; 3 with
+    # keys per KV group gives rank 20 at about the same K cache (3 x 20 against 9 x 6 values a token): benchmarks/scaling.py
     qk_compression: float = 3.0
     align: str = "sparse"  # sparse (one scaled head: SDPA fast path, the default) | dense (head mix + FFN) | identity (none)
     align_hidden: int = 16  # dense Align: FFN width across heads; 0 = linear head mix only

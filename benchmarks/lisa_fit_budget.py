@@ -27,6 +27,7 @@ from hfcompress.lisa import (
     handed_over,
     in_converted_classes,
     lowrank_rank,
+    relative_error,
     rotary,
     rows,
 )
@@ -82,7 +83,7 @@ def main() -> None:
             seconds = time.perf_counter() - start
             with torch.no_grad():
                 out, _ = module(x[test], positions.expand(HELD_OUT, -1), mask, rows(below, test))
-                error = ((out - target).pow(2).mean() / target.pow(2).mean()).item()
+                error = relative_error(out, target)
             print(f"| {idx} | {label} | {rank} | {record.loss_final:.4f} | {error:.4f} | {seconds:.0f} |", flush=True)
 
 

@@ -27,6 +27,8 @@ LISA15 = ["--share-ratio", "0.5", "--lisa-align", "sparse", "--max-ppl-increase"
 # the local fit's defaults before this round (rank 6 per head, 100 steps of 4 sequences): pinned in the runs measured
 # with them, so that each name still reruns its figures
 OLD_FIT = ["--qk-compression", "6", "--lisa-lowrank-keys", "head", "--lisa-steps", "100", "--lisa-batch-size", "4"]
+# today's local fit (the defaults, spelled out): rank 20 per KV group, 600 steps of one sequence
+NEW_FIT = ["--qk-compression", "3", "--lisa-lowrank-keys", "group", "--lisa-steps", "600", "--lisa-batch-size", "1"]
 FASC09 = ["--share-ratio", "0", "--fasc-budget", "0.9", "--fasc-method", "fisher", "--max-ppl-increase", "15"]
 RUNS = {
     **{
@@ -41,13 +43,11 @@ RUNS = {
     # smaller, on a calibration it cannot overfit
     "wiki-lisa15-steps400-calib4k": LISA15 + OLD_FIT + WIKI_TEXTS + ["--lisa-steps", "400", "--distill-tokens", "0"],
     "wiki-lisa15-qk3-calib33k": LISA15 + OLD_FIT + WIKI_TEXTS + ["--qk-compression", "3", "--distill-tokens", "0", "--calib-sequences", "64", "--seq-len", "512"],
-    # today's local fit (the defaults, spelled out): rank 20 per KV group, 600 steps of one sequence
-    "wiki-lisa15-group-qk3-steps600b1-calib33k-distill16k": LISA15 + WIKI_TEXTS + [
-        "--lisa-lowrank-keys", "group", "--qk-compression", "3", "--lisa-steps", "600", "--lisa-batch-size", "1",
-        "--calib-sequences", "64", "--seq-len", "512", "--distill-tokens", "16384"],
-    "wiki-lisa15-group-qk3-steps600b1-calib33k-distill64k": LISA15 + WIKI_TEXTS + [
-        "--lisa-lowrank-keys", "group", "--qk-compression", "3", "--lisa-steps", "600", "--lisa-batch-size", "1",
-        "--calib-sequences", "64", "--seq-len", "512", "--distill-tokens", "65536"],
+    **{
+        f"wiki-lisa15-group-qk3-steps600b1-calib33k-distill{size}": LISA15 + NEW_FIT + WIKI_TEXTS + [
+            "--calib-sequences", "64", "--seq-len", "512", "--distill-tokens", str(tokens)]
+        for size, tokens in (("16k", 16384), ("64k", 65536))
+    },
     "wiki-lisa15-distill64k": LISA15 + OLD_FIT + WIKI_TEXTS + ["--distill-tokens", "65536"],
     "wiki-lisa15-group-distill64k": LISA15 + OLD_FIT + WIKI_TEXTS + ["--lisa-lowrank-keys", "group", "--distill-tokens", "65536"],
     "wiki-fasc09-fisher-distill16k": FASC09 + WIKI_TEXTS + ["--distill-tokens", "16384"],

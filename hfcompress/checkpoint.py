@@ -99,6 +99,7 @@ def dequantise_gguf(path: Path, directory: Path) -> None:
     hold every dequantised tensor at once, so its per-tensor steps are driven here and each layer's tensors are
     written as soon as the GGUF moves on to the next layer. The directory appears complete or not at all."""
     import shutil
+    import tempfile
 
     import numpy as np
     from gguf import GGUFReader, dequantize
@@ -122,9 +123,9 @@ def dequantise_gguf(path: Path, directory: Path) -> None:
     _, causal_lm = family_of(config).transformers_classes()
     with torch.device("meta"):
         mapping = get_gguf_hf_weights_map(causal_lm(config), processor)
-    tmp = directory.with_name(directory.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    # a directory of this process's own: two conversions of one GGUF at once must not write into each other's files
+    tmp = Path(tempfile.mkdtemp(prefix=f"{directory.name}.partial-", dir=directory.parent))
     group, group_key, written = {}, None, 0
 
     def flush() -> None:
@@ -148,8 +149,16 @@ def dequantise_gguf(path: Path, directory: Path) -> None:
         group[name] = torch.from_numpy(np.array(result.weights, dtype=np.float32))  # a writable copy
     flush()
     config.save_pretrained(tmp)
-    shutil.rmtree(directory, ignore_errors=True)
-    tmp.rename(directory)
+    if (directory / "config.json").is_file():  # another process finished first: its copy is as good as ours
+        shutil.rmtree(tmp)
+        return
+    shutil.rmtree(directory, ignore_errors=True)  # a leftover without config.json is incomplete
+    try:
+        tmp.rename(directory)
+    except OSError:
+        if not (directory / "config.json").is_file():
+            raise
+        shutil.rmtree(tmp)
 
 
 def expected_shapes(config) -> dict[str, list[int]]:

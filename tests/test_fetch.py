@@ -307,3 +307,34 @@ def test_llama_gguf_still_resolves():
     assert path.name == BUILTIN_GGUF and gguf_architecture(path) == "llama"
     source = resolve_source(str(path))
     assert (source.kind, source.gguf_file) == ("gguf", BUILTIN_GGUF)
+
+
+DEQUANTISE = """
+import sys
+from pathlib import Path
+from hfcompress.checkpoint import dequantise_gguf
+dequantise_gguf(Path(sys.argv[1]), Path(sys.argv[2]))
+"""
+
+
+@pytest.mark.slow
+def test_two_conversions_dequantise_one_gguf_at_once(tmp_path):
+    """Two processes dequantising the built-in GGUF into one cache directory at the same time (two conversions
+    started together) both end with the complete checkpoint; neither writes into the other's files."""
+    import subprocess
+    import sys
+
+    from transformers import LlamaConfig
+
+    from hfcompress.checkpoint import Checkpoint, check_checkpoint
+
+    directory = tmp_path / "gguf-cache"
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", DEQUANTISE, str(_builtin_gguf()), str(directory)], env=env, stderr=subprocess.PIPE)
+        for _ in range(2)
+    ]
+    errors = [proc.communicate()[1].decode() for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], errors
+    check_checkpoint(Checkpoint(directory, "smollm2"), LlamaConfig.from_pretrained(directory))
+    assert [p.name for p in tmp_path.iterdir()] == ["gguf-cache"]  # no partial directory left behind

@@ -92,14 +92,27 @@ def open_checkpoint(source: ResolvedSource, cache_dir: Path):
     return Checkpoint(directory, source.name), config_class.from_pretrained(directory)
 
 
+def _process_alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def dequantise_gguf(path: Path, directory: Path) -> None:
     """Write a GGUF's tensors as float32 safetensors files in `directory`, one group of tensors at a time.
 
     transformers' GGUF loader maps the names and undoes llama.cpp's q/k permutation (its tensor processor); it would
     hold every dequantised tensor at once, so its per-tensor steps are driven here and each layer's tensors are
     written as soon as the GGUF moves on to the next layer. The directory appears complete or not at all."""
+    import os
     import shutil
-    import tempfile
+    import uuid
 
     import numpy as np
     from gguf import GGUFReader, dequantize
@@ -123,9 +136,13 @@ def dequantise_gguf(path: Path, directory: Path) -> None:
     _, causal_lm = family_of(config).transformers_classes()
     with torch.device("meta"):
         mapping = get_gguf_hf_weights_map(causal_lm(config), processor)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    # a directory of this process's own: two conversions of one GGUF at once must not write into each other's files
-    tmp = Path(tempfile.mkdtemp(prefix=f"{directory.name}.partial-", dir=directory.parent))
+    # a directory of this process's own: two conversions of one GGUF at once must not write into each other's files;
+    # those of processes that died are removed
+    for stale in directory.parent.glob(f"{directory.name}.partial-*"):
+        if not _process_alive(int(stale.name.rsplit("-", 2)[1])):
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = directory.with_name(f"{directory.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir(parents=True)
     group, group_key, written = {}, None, 0
 
     def flush() -> None:

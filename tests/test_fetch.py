@@ -320,7 +320,8 @@ dequantise_gguf(Path(sys.argv[1]), Path(sys.argv[2]))
 @pytest.mark.slow
 def test_two_conversions_dequantise_one_gguf_at_once(tmp_path):
     """Two processes dequantising the built-in GGUF into one cache directory at the same time (two conversions
-    started together) both end with the complete checkpoint; neither writes into the other's files."""
+    started together) both end with the complete checkpoint; neither writes into the other's files. The partial
+    directory a killed conversion left is removed."""
     import subprocess
     import sys
 
@@ -330,6 +331,10 @@ def test_two_conversions_dequantise_one_gguf_at_once(tmp_path):
 
     directory = tmp_path / "gguf-cache"
     env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / f"gguf-cache.partial-{dead.pid}-0badf00d").mkdir()
+    (tmp_path / f"gguf-cache.partial-{dead.pid}-0badf00d" / "part-00000.safetensors").write_bytes(b"half written")
     procs = [
         subprocess.Popen([sys.executable, "-c", DEQUANTISE, str(_builtin_gguf()), str(directory)], env=env, stderr=subprocess.PIPE)
         for _ in range(2)
@@ -337,4 +342,4 @@ def test_two_conversions_dequantise_one_gguf_at_once(tmp_path):
     errors = [proc.communicate()[1].decode() for proc in procs]
     assert [proc.returncode for proc in procs] == [0, 0], errors
     check_checkpoint(Checkpoint(directory, "smollm2"), LlamaConfig.from_pretrained(directory))
-    assert [p.name for p in tmp_path.iterdir()] == ["gguf-cache"]  # no partial directory left behind
+    assert [p.name for p in tmp_path.iterdir()] == ["gguf-cache"]  # no partial directory left behind, old or new

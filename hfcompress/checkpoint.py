@@ -11,6 +11,9 @@
 
 import json
 import math
+import os
+import shutil
+import uuid
 from pathlib import Path
 
 import torch
@@ -93,8 +96,6 @@ def open_checkpoint(source: ResolvedSource, cache_dir: Path):
 
 
 def _process_alive(pid: int) -> bool:
-    import os
-
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -110,10 +111,6 @@ def dequantise_gguf(path: Path, directory: Path) -> None:
     transformers' GGUF loader maps the names and undoes llama.cpp's q/k permutation (its tensor processor); it would
     hold every dequantised tensor at once, so its per-tensor steps are driven here and each layer's tensors are
     written as soon as the GGUF moves on to the next layer. The directory appears complete or not at all."""
-    import os
-    import shutil
-    import uuid
-
     import numpy as np
     from gguf import GGUFReader, dequantize
     from safetensors.torch import save_file

@@ -135,8 +135,9 @@ def dequantise_gguf(path: Path, directory: Path) -> None:
         mapping = get_gguf_hf_weights_map(causal_lm(config), processor)
     # a directory of this process's own: two conversions of one GGUF at once must not write into each other's files;
     # those of processes that died are removed
-    for stale in directory.parent.glob(f"{directory.name}.partial-*"):
-        if not _process_alive(int(stale.name.rsplit("-", 2)[1])):
+    for stale in directory.parent.glob(f"{directory.name}.partial-*-*"):
+        pid = stale.name.rsplit("-", 2)[1]
+        if pid.isdigit() and not _process_alive(int(pid)):  # a name not of this form is not ours to remove
             shutil.rmtree(stale, ignore_errors=True)
     tmp = directory.with_name(f"{directory.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.mkdir(parents=True)

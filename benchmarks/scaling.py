@@ -48,8 +48,11 @@ RUNS = {
             "--calib-sequences", "64", "--seq-len", "512", "--distill-tokens", str(tokens)]
         for size, tokens in (("16k", 16384), ("64k", 65536))
     },
-    "wiki-lisa15-group-qk3-steps600b1-calib131k-distill16k": LISA15 + NEW_FIT + WIKI_TEXTS + [
-        "--calib-sequences", "256", "--seq-len", "512", "--distill-tokens", "16384"],
+    **{
+        f"wiki-lisa15-group-qk3-steps600b1-calib131k-distill{size}": LISA15 + NEW_FIT + WIKI_TEXTS + [
+            "--calib-sequences", "256", "--seq-len", "512", "--distill-tokens", str(tokens)]
+        for size, tokens in (("16k", 16384), ("64k", 65536))
+    },
     "wiki-lisa15-distill64k": LISA15 + OLD_FIT + WIKI_TEXTS + ["--distill-tokens", "65536"],
     "wiki-lisa15-group-distill64k": LISA15 + OLD_FIT + WIKI_TEXTS + ["--lisa-lowrank-keys", "group", "--distill-tokens", "65536"],
     "wiki-fasc09-fisher-distill16k": FASC09 + WIKI_TEXTS + ["--distill-tokens", "16384"],

@@ -3,8 +3,9 @@
 - LISA: every layer's attention input (the output of `input_layernorm`), from which scores, attention maps and
   target outputs are recomputed exactly with the original weights.
 - FASC: for every targeted linear y = W x, the input covariance C = E[x x^T], the output-gradient covariance
-  G = E[g g^T] (g = d loss / d y of the token-summed next-token loss), float64, and random-probe moments for
-  the dependence-violation score rho (see fasc.py).
+  G = E[g g^T] (g = d loss / d y of the token-summed next-token loss), and random-probe moments for the
+  dependence-violation score rho (see fasc.py). Each batch's products are float32 (a sum over a few thousand
+  tokens loses ~1e-6 of relative precision) and the sums over batches float64: on a CPU a float64 Gram costs 2x.
 Results are cached on disk under a key of (model, text, settings), so a rerun resumes without recomputing.
 """
 
@@ -148,17 +149,17 @@ def track_linear_stats(linears: dict[str, nn.Module], stats: dict[str, LinearSta
         entry = stats[name]
 
         def on_forward(module, args, output, entry=entry):
-            x = args[0].detach().reshape(-1, entry.in_features).double()
-            entry.xx += x.T @ x
+            x = args[0].detach().reshape(-1, entry.in_features).float()
+            entry.xx += (x.T @ x).double()
             entry.tokens += x.shape[0]
-            a = (x @ entry.probe_in) ** 2
+            a = (x.double() @ entry.probe_in) ** 2
             entry.probe_a += a.sum(0)
             entry.extra["a"] = a  # paired with this batch's gradient in on_grad
 
             def on_grad(grad, entry=entry):
-                g = grad.detach().reshape(-1, entry.out_features).double()
-                entry.gg += g.T @ g
-                b = (g @ entry.probe_out) ** 2
+                g = grad.detach().reshape(-1, entry.out_features).float()
+                entry.gg += (g.T @ g).double()
+                b = (g.double() @ entry.probe_out) ** 2
                 entry.probe_b += b.sum(0)
                 entry.probe_ab += (entry.extra.pop("a") * b).sum(0)
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .atomic import save_atomic
 from .errors import HfcompressError
 from .progress import console, progress_bar
 
@@ -57,13 +58,10 @@ def load_or_compute(path: Path, compute):
         except Exception as err:  # torch/pickle raise many types on a damaged file
             console.log(f"[yellow]cache entry {path.name} is unreadable ({type(err).__name__}); recomputing it[/]")
     value = compute()
-    tmp = path.with_suffix(".partial")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(value, tmp)
-        tmp.replace(path)
+        save_atomic(value, path)
     except (OSError, RuntimeError) as err:  # torch reports a failed write as RuntimeError
-        tmp.unlink(missing_ok=True)
         console.log(f"[yellow]could not cache {path.name} ({err}); continuing without it[/]")
     return value
 

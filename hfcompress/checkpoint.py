@@ -11,13 +11,12 @@
 
 import json
 import math
-import os
 import shutil
-import uuid
 from pathlib import Path
 
 import torch
 
+from .atomic import atomic_file, private_sibling
 from .calibrate import cache_key
 from .errors import HfcompressError
 from .families import FAMILIES, family_of
@@ -95,16 +94,6 @@ def open_checkpoint(source: ResolvedSource, cache_dir: Path):
     return Checkpoint(directory, source.name), config_class.from_pretrained(directory)
 
 
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
 def dequantise_gguf(path: Path, directory: Path) -> None:
     """Write a GGUF's tensors as float32 safetensors files in `directory`, one group of tensors at a time.
 
@@ -133,13 +122,8 @@ def dequantise_gguf(path: Path, directory: Path) -> None:
     _, causal_lm = family_of(config).transformers_classes()
     with torch.device("meta"):
         mapping = get_gguf_hf_weights_map(causal_lm(config), processor)
-    # a directory of this process's own: two conversions of one GGUF at once must not write into each other's files;
-    # those of processes that died are removed
-    for stale in directory.parent.glob(f"{directory.name}.partial-*-*"):
-        pid = stale.name.rsplit("-", 2)[1]
-        if pid.isdigit() and not _process_alive(int(pid)):  # a name not of this form is not ours to remove
-            shutil.rmtree(stale, ignore_errors=True)
-    tmp = directory.with_name(f"{directory.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    # a directory of this process's own: two conversions of one GGUF at once must not write into each other's files
+    tmp = private_sibling(directory)
     tmp.mkdir(parents=True)
     group, group_key, written = {}, None, 0
 
@@ -209,9 +193,8 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     """safetensors file written under a temporary name and renamed: a file that exists is complete."""
     from safetensors.torch import save_file
 
-    tmp = path.with_suffix(".partial")
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp, metadata={"format": "pt"})
-    tmp.replace(path)
+    with atomic_file(path) as tmp:
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp, metadata={"format": "pt"})
 
 
 def load_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -244,12 +227,10 @@ def write_shard(sources: list[Path], dest: Path) -> dict[str, int]:
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    tmp = dest.with_suffix(".partial")
-    with open(tmp, "wb") as out:
+    with atomic_file(dest) as tmp, open(tmp, "wb") as out:
         out.write(len(raw).to_bytes(8, "little") + raw)
         for _, name, handle, _, _ in entries:
             out.write(handle.get_tensor(name).contiguous().view(-1).view(torch.uint8).numpy())  # no bytes copy
-    tmp.replace(dest)
     return {name: math.prod(shape) for _, name, _, _, shape in entries}
 
 

@@ -22,13 +22,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .atomic import save_atomic
 from .calibrate import cache_key
 from .errors import HfcompressError
 from .fasc import is_fasc_parameter
 from .lisa import LOWRANK_INPUT_RMS, is_lisa_parameter
 from .methods import Finisher, register
 from .progress import console, training_bar
-from .stream import save_atomic
 from .text import prefixed
 from .validate import perplexity
 

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from .atomic import save_atomic
 from .calibrate import LinearStats
 from .errors import HfcompressError
 from .methods import LayerContext, Method, Planner, register
@@ -255,10 +256,8 @@ class FascMethod(Method):
             keep = min(len(dec.spectrum), math.ceil(m * n / (m + n)))
             factors[name] = (dec.left[:, :keep].float().cpu(), dec.right[:keep].float().cpu())
             spectra[name] = dec.spectrum.cpu()
-        torch.save(factors, self.store / f"factors-{ctx.index}.partial")
-        (self.store / f"factors-{ctx.index}.partial").replace(self.store / f"factors-{ctx.index}.pt")
-        torch.save({"rhos": rhos, "shapes": shapes, "spectra": spectra}, self.store / f"fasc-{ctx.index}.partial")
-        (self.store / f"fasc-{ctx.index}.partial").replace(self.store / f"fasc-{ctx.index}.pt")
+        save_atomic(factors, self.store / f"factors-{ctx.index}.pt")
+        save_atomic({"rhos": rhos, "shapes": shapes, "spectra": spectra}, self.store / f"fasc-{ctx.index}.pt")
 
     def plan(self, planner: Planner) -> None:
         """Global ranks from every layer's spectrum (the factors stay on disk) and the per-linear report rows."""

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from . import __version__
+from .atomic import save_atomic
 from .build import (
     cast_floating,
     converted_config,
@@ -53,7 +54,7 @@ from .registry import build_methods
 from .report import Report, Validation
 from .source import ResolvedSource, load_tokenizer, resolve_source, source_identity
 from .speed import hardware_description
-from .stream import LayerStream, Processes, save_atomic, token_nll
+from .stream import LayerStream, Processes, token_nll
 from .text import chunk, hub_dataset, other_domain_ids, prefixed, text_streams, window_prefix
 from .validate import PerplexityResult, verify_written
 from .wholemodel import WholeModelSteps

@@ -198,7 +198,3 @@ def token_nll(
     return total, torch.cat([*grads, torch.zeros_like(hidden[-1:])])  # the last position predicts nothing
 
 
-def save_atomic(value, path) -> None:
-    tmp = path.with_suffix(".partial")
-    torch.save(value, tmp)
-    tmp.replace(path)

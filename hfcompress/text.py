@@ -37,6 +37,7 @@ from typing import Literal
 
 import torch
 
+from .atomic import atomic_file
 from .errors import HfcompressError
 from .progress import console
 
@@ -179,9 +180,8 @@ def wiki_text() -> str:
     ]
     text = "\n\n".join(articles)
     cached.parent.mkdir(parents=True, exist_ok=True)
-    partial = cached.with_suffix(".partial")
-    partial.write_text(text, encoding="utf-8")
-    partial.replace(cached)  # a reader never sees half a file
+    with atomic_file(cached) as partial:  # a reader never sees half a file
+        partial.write_text(text, encoding="utf-8")
     return text
 
 

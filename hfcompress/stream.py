@@ -196,5 +196,3 @@ def token_nll(
     if not with_grad:
         return total, None
     return total, torch.cat([*grads, torch.zeros_like(hidden[-1:])])  # the last position predicts nothing
-
-

@@ -2,12 +2,14 @@
 calibration tokens, on the calibration domain's held-out text and on news text of another domain.
 
     python benchmarks/scaling.py run lisa15-sparse-distill256k      # one conversion, hours on 2 CPU cores
-    python benchmarks/scaling.py report                             # tables + plot from every finished run
+    python benchmarks/scaling.py report        # tables, plot and power-law budgets from every finished run
 
 Each run is one `hfcompress convert` command (listed in RUNS, so every figure has its command); its report is copied
 to benchmarks/scaling/NAME.json and its log is benchmarks/scaling/NAME.log. The distillation curve comes from the
 stage's own learning curve (perplexity on both texts at 0, 16k, 64k, 256k, ... tokens trained, 4,096 tokens each);
-the calibration axis from separate runs with no distillation.
+the calibration axis from separate runs with no distillation. `report` also fits power laws through the final figures
+of runs that differ only in calibration and distillation tokens (EXTRAPOLATE) and prints the budget they put at each
+target, with its cost on this machine and in FLOPs.
 """
 
 import argparse

@@ -47,3 +47,13 @@ def prepare(options: ConvertOptions) -> Prepared:
     sequences, eval_ids = streams.sequences, next(iter(streams.evaluations.values()))
     cache = options.cache_dir / "benchmarks" / cache_key(source_identity(source), tensor_fingerprint(sequences))
     return Prepared(model, tokenizer, sequences, eval_ids, cache)
+
+
+def prepare_smollm2_wiki(calib_sequences: int, seq_len: int, threads: int | None = None) -> Prepared:
+    """The built-in SmolLM2 with `calib_sequences` x `seq_len` calibration tokens of `wiki` (`threads`: torch's)."""
+    if threads:
+        torch.set_num_threads(threads)
+    return prepare(ConvertOptions(
+        source="smollm2-135m-instruct", out=Path("."), calib_text="wiki", eval_text="wiki", ood_text="none",
+        calib_sequences=calib_sequences, seq_len=seq_len,
+    ))  # fmt: skip

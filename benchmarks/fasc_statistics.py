@@ -12,13 +12,11 @@ import argparse
 import statistics
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
-from common import prepare
+from common import prepare_smollm2_wiki
 
-from hfcompress.calibrate import new_linear_stats, track_linear_stats
-from hfcompress.config import ConvertOptions
+from hfcompress.calibrate import collect_linear_stats
 from hfcompress.fasc import DEFAULT_TARGETS, FascOptions, compress_linears
 
 BATCH = 4
@@ -36,18 +34,10 @@ def main() -> None:
     parser.add_argument("--sequences", type=int, default=16)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    options = ConvertOptions(
-        source="smollm2-135m-instruct", out=Path("."), calib_text="wiki", eval_text="wiki", ood_text="none",
-        calib_sequences=args.sequences, seq_len=512,
-    )  # fmt: skip
-    prepared = prepare(options)
+    prepared = prepare_smollm2_wiki(args.sequences, 512, args.threads)
     model, sequences = prepared.model, prepared.sequences
-    layers = model.model.layers
     names = [f"{i}.{t}" for i in map(int, args.layers.split(",")) for t in DEFAULT_TARGETS]
-    linears = {name: layers.get_submodule(name) for name in names}
-    stats = new_linear_stats(linears, torch.Generator().manual_seed(0))
+    linears = {name: model.model.layers.get_submodule(name) for name in names}
     inputs, grads = {name: [] for name in names}, {name: [] for name in names}  # the reference's float64 copies
 
     def keep(name):
@@ -56,14 +46,8 @@ def main() -> None:
             out.register_hook(lambda g: grads[name].append(g.detach().reshape(-1, module.out_features).double()))
         return hook
 
-    handles = track_linear_stats(linears, stats) + [linears[n].register_forward_hook(keep(n)) for n in names]
-    embed = model.get_input_embeddings()
-    for start in range(0, len(sequences), BATCH):
-        ids = sequences[start : start + BATCH]
-        with torch.enable_grad():
-            logits = model(inputs_embeds=embed(ids).detach().requires_grad_(True), use_cache=False).logits
-            loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum")
-            loss.backward()
+    handles = [linears[n].register_forward_hook(keep(n)) for n in names]
+    stats = collect_linear_stats(model, sequences, names, batch_size=BATCH)  # the library's own pass, hooks and all
     for handle in handles:
         handle.remove()
 
@@ -77,7 +61,7 @@ def main() -> None:
         batch = x[: BATCH * 512].float()
         f64, f32 = [], []
         for _ in range(7):
-            f64.append(timed(lambda: (batch.double().T @ batch.double())))
+            f64.append(timed(lambda: (lambda b: b.T @ b)(batch.double())))  # one conversion, as the old hook did
             f32.append(timed(lambda: (batch.T @ batch).double()))
         c_error = ((stats[name].xx - reference[name].xx).norm() / reference[name].xx.norm()).item()
         g_error = ((stats[name].gg - reference[name].gg).norm() / reference[name].gg.norm()).item()

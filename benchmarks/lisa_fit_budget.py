@@ -12,12 +12,10 @@ script.
 import argparse
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
-from common import prepare
+from common import prepare_smollm2_wiki
 
-from hfcompress.config import ConvertOptions
 from hfcompress.lisa import (
     LisaOptions,
     attention_output,
@@ -55,13 +53,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    options = ConvertOptions(
-        source="smollm2-135m-instruct", out=Path("."), calib_text="wiki", eval_text="wiki", ood_text="none",
-        calib_sequences=args.train + HELD_OUT, seq_len=args.seq_len,
-    )  # fmt: skip
-    prepared = prepare(options)
+    prepared = prepare_smollm2_wiki(args.train + HELD_OUT, args.seq_len, args.threads)
     inputs = prepared.attention_inputs()
     matching = {s.layer: s.matching for s in prepared.similarity(inputs)}
     model = in_converted_classes(prepared.model)

@@ -59,6 +59,9 @@ RUNS = {
         for calib, sequences, size, tokens in (
             ("131k", 256, "16k", 16384), ("131k", 256, "64k", 65536), ("262k", 512, "16k", 16384), ("524k", 1024, "96k", 98304))
     },
+    # capacity the distillation can add at no size cost: LoRA on the dense linears, merged before saving
+    "wiki-lisa15-group-qk3-steps600b1-calib33k-distill16k-lora16": LISA15 + NEW_FIT + WIKI_TEXTS + [
+        "--calib-sequences", "64", "--seq-len", "512", "--distill-tokens", "16384", "--distill-lora-rank", "16"],
     "wiki-lisa15-distill64k": LISA15 + OLD_FIT + WIKI_TEXTS + ["--distill-tokens", "65536"],
     "wiki-lisa15-group-distill64k": LISA15 + OLD_FIT + WIKI_TEXTS + ["--lisa-lowrank-keys", "group", "--distill-tokens", "65536"],
     "wiki-fasc09-fisher-distill16k": FASC09 + WIKI_TEXTS + ["--distill-tokens", "16384"],

@@ -1,12 +1,14 @@
 """`hfcompress` command line (Typer)."""
 
+import errno
+import os
 import sys
 from pathlib import Path
 
 import typer
 
 from .distill import DEFAULT_TOKENS, DistillOptions
-from .errors import HfcompressError
+from .errors import WRITE_FAILED_EXIT, HfcompressError, redact
 from .fasc import DEFAULT_TARGETS, METHODS, FascOptions
 from .lisa import DEFAULT_SHARE_RATIO, LisaOptions
 from .source import BUILTIN_SOURCE
@@ -23,17 +25,44 @@ TEXT_HELP = "FILE (UTF-8), 'builtin' (Python language reference, offline), 'wiki
 
 
 def _run(action) -> None:
-    """Turn HfcompressError into one red sentence and its exit code; Ctrl-C into exit 130."""
+    """Turn HfcompressError into one red sentence and its exit code; Ctrl-C into exit 130. An unexpected OSError (disk
+    full, permissions, a vanished file) or an allocation failure becomes one sentence too; HFCOMPRESS_TRACEBACK=1
+    keeps the traceback."""
     from .progress import console
 
     try:
         action()
     except HfcompressError as err:
-        console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
-        raise typer.Exit(err.exit_code) from None
+        _fail(console, str(err), err.exit_code)
     except KeyboardInterrupt:
         console.print("[bold red]interrupted:[/] nothing was written; rerun the same command to resume from the cache.")
         raise typer.Exit(INTERRUPTED_EXIT) from None
+    except (OSError, MemoryError, RuntimeError) as err:
+        if os.environ.get("HFCOMPRESS_TRACEBACK") or not (isinstance(err, (OSError, MemoryError)) or _out_of_memory(err)):
+            raise
+        if isinstance(err, OSError):
+            where = f" ({err.filename})" if err.filename else ""
+            disk = err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS)
+            _fail(console, redact(f"{err.strerror or err}{where}; {UNFINISHED}: check free space and permissions, then {RERUN}."),
+                  WRITE_FAILED_EXIT if disk else 1)
+        _fail(console, f"Out of memory; {UNFINISHED}: give fewer --calib-sequences or a smaller --distill-batch-size, or "
+                       f"use a machine with more memory, then {RERUN}.", 1)
+
+
+UNFINISHED = "the output was not completed"
+RERUN = "rerun the same command, which resumes from the cache (HFCOMPRESS_TRACEBACK=1 shows where it failed)"
+
+
+def _out_of_memory(err: RuntimeError) -> bool:
+    """torch reports a failed allocation as RuntimeError (CPU) or its subclass OutOfMemoryError (CUDA)."""
+    import torch
+
+    return isinstance(err, torch.OutOfMemoryError) or "can't allocate memory" in str(err)
+
+
+def _fail(console, message: str, exit_code: int) -> None:
+    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(exit_code) from None
 
 
 def _layers(value: str | None) -> list[int] | None:

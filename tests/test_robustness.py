@@ -322,6 +322,55 @@ def test_interrupted_write_leaves_no_output(warm, tmp_path, monkeypatch):
     assert not out.exists() and not leftovers(tmp_path)
 
 
+def fail_at(monkeypatch, step: str, error: BaseException) -> None:
+    """Raise `error` as the pipeline announces `step`."""
+    from hfcompress.progress import console
+
+    log = console.log
+
+    def failing_log(*objects, **kwargs):
+        if any(f"[bold cyan]{step}[/]" == str(o) for o in objects):
+            raise error
+        return log(*objects, **kwargs)
+
+    monkeypatch.setattr(console, "log", failing_log)
+
+
+@pytest.mark.parametrize(
+    "error, exit_code, needles",
+    [
+        (OSError(errno.EACCES, "Permission denied", "/cache/hidden-3.pt"), 5, ["Permission denied (/cache/hidden-3.pt)", "check free space and permissions"]),
+        (OSError(errno.ENOENT, "No such file or directory", "/cache/fit-1.pt"), 1, ["No such file or directory (/cache/fit-1.pt)"]),
+        (RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory"), 1, ["Out of memory", "--calib-sequences"]),
+        (MemoryError(), 1, ["Out of memory"]),
+    ],
+)
+def test_unexpected_os_and_memory_errors_are_one_sentence(warm, tmp_path, monkeypatch, error, exit_code, needles):
+    tiny, cache = warm
+    monkeypatch.setenv("HFCOMPRESS_CACHE", str(cache))
+    out = tmp_path / "o"
+    fail_at(monkeypatch, "validate: perplexity", error)
+    result = convert(str(tiny), "--out", str(out), "--max-ppl-increase", "1000", *FAST)
+    assert result.exit_code == exit_code, result.output
+    assert result.output.startswith("error:") or "\nerror: " in result.output, result.output
+    assert isinstance(result.exception, SystemExit), result.exception  # handled: an exit status, not a traceback
+    assert all(n in result.output for n in needles), result.output
+    assert "rerun the same command" in result.output and not out.exists()
+
+    monkeypatch.setenv("HFCOMPRESS_TRACEBACK", "1")  # the traceback, for a bug report
+    result = convert(str(tiny), "--out", str(out), "--max-ppl-increase", "1000", *FAST)
+    assert result.exception is error
+
+
+def test_other_runtime_errors_keep_their_traceback(warm, tmp_path, monkeypatch):
+    tiny, cache = warm
+    monkeypatch.setenv("HFCOMPRESS_CACHE", str(cache))
+    bug = RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+    fail_at(monkeypatch, "validate: perplexity", bug)
+    result = convert(str(tiny), "--out", str(tmp_path / "o"), "--max-ppl-increase", "1000", *FAST)
+    assert result.exception is bug and "Out of memory" not in result.output
+
+
 def test_disk_full_keeps_earlier_output(warm, tmp_path, monkeypatch):
     import hfcompress.pipeline as convert_module
 

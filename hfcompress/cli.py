@@ -105,6 +105,9 @@ def convert(
         None, help="Share as many layers as keep perplexity within +PCT (searched, ~log2(layers) fits; instead of --share-ratio)."
     ),
     protect_first: int = typer.Option(LisaOptions.protect_first, help="Number of shallow layers never shared."),
+    lisa_max_chain: int = typer.Option(
+        LisaOptions.max_chain, help="At most this many consecutive shared layers (--share-ratio and --lisa-ppl-budget choices; default: no cap)."
+    ),
     qk_compression: float = typer.Option(LisaOptions.qk_compression, help="Shared layers' Q/K parameters are at least this many times smaller."),
     lisa_align: str = typer.Option(
         LisaOptions.align, help="Head alignment: dense (head mix + FFN), sparse (one scaled head: SDPA fast path), identity (none)."
@@ -192,6 +195,7 @@ def convert(
                 layers=_layers(lisa_layers),
                 ppl_budget=lisa_ppl_budget,
                 protect_first=protect_first,
+                max_chain=lisa_max_chain,
                 qk_compression=qk_compression,
                 align=lisa_align,
                 align_hidden=align_hidden,

@@ -129,6 +129,10 @@ class ConvertOptions:
         if lisa.lowrank_keys not in LOWRANK_KEYS:
             raise HfcompressError(f"Unknown --lisa-lowrank-keys '{lisa.lowrank_keys}': choose one of {', '.join(LOWRANK_KEYS)}.")
         _at_least(lisa.protect_first, 0, "--protect-first")
+        if lisa.max_chain is not None:
+            _at_least(lisa.max_chain, 1, "--lisa-max-chain")
+            if lisa.layers is not None:
+                raise HfcompressError("--lisa-max-chain caps the layers --share-ratio or --lisa-ppl-budget choose; with --lisa-layers give the layers you want.")
         _at_least(lisa.align_hidden, 0, "--align-hidden")
         _at_least(lisa.steps, 0, "--lisa-steps")
         _at_least(lisa.batch_size, 1, "--lisa-batch-size")
@@ -176,7 +180,7 @@ class ConvertOptions:
     def check_against_model(self, config) -> None:
         """Checks that need the source's config (layer count, attention types and shapes); run before calibration."""
         from .build import converted_config
-        from .lisa import check_attention_types, lowrank_rank, shareable_layers
+        from .lisa import check_attention_types, lowrank_rank, most_with_max_chain, shareable_layers
 
         config = converted_config(config, {})  # the family's view: attention types per layer, head_dim
         layers = config.num_hidden_layers
@@ -188,11 +192,13 @@ class ConvertOptions:
             check_attention_types(self.lisa.layers, shareable)
         elif self.lisa.ppl_budget is None:
             count = round(self.lisa.ratio * layers)
-            candidates = sum(ok for layer, ok in shareable.items() if layer >= max(1, self.lisa.protect_first))
+            eligible = [layer for layer, ok in shareable.items() if ok and layer >= max(1, self.lisa.protect_first)]
+            candidates = len(eligible) if self.lisa.max_chain is None else most_with_max_chain(eligible, self.lisa.max_chain)
             if count > candidates:
                 raise HfcompressError(
                     f"--share-ratio {self.lisa.ratio} asks for {count} shared layers but only {candidates} are outside "
-                    f"the {self.lisa.protect_first} protected shallow layers and have the attention type of the layer below."
+                    f"the {self.lisa.protect_first} protected shallow layers and have the attention type of the layer below"
+                    + (f", with at most {self.lisa.max_chain} in a row: raise --lisa-max-chain." if self.lisa.max_chain else ".")
                 )
         if self.lisa.lowrank:
             lowrank_rank(config, self.lisa.qk_compression, self.lisa.lowrank_keys)

@@ -38,6 +38,9 @@ class LisaOptions:
     layers: list[int] | None = None  # explicit choice instead of share_ratio
     ppl_budget: float | None = None  # percent: share as many layers as keep perplexity within it (searched)
     protect_first: int = 2  # shallow layers are never shared
+    # at most this many consecutive shared layers (None: no cap): in a chain each layer approximates the layer below's
+    # approximation, and a sparse chain's prefill attention widens by r per layer (benchmarks/results-long-context.md)
+    max_chain: int | None = None
     # shared Q/K parameters >= this many times smaller than W_Q + W_K. The paper's 6 gave SmolLM2 rank 6 per head; 3 with
     # keys per KV group gives rank 20 at about the same K cache (3 x 20 against 9 x 6 values a token): benchmarks/scaling.py
     qk_compression: float = 3.0
@@ -219,7 +222,8 @@ def select_layers(similarity: list[LayerSimilarity], num_layers: int, options: L
     if count > len(candidates):
         raise HfcompressError(
             f"--share-ratio {options.ratio} asks for {count} shared layers but only {len(candidates)} are outside "
-            f"the {options.protect_first} protected shallow layers and have the attention type of the layer below."
+            f"the {options.protect_first} protected shallow layers and have the attention type of the layer below"
+            + (f", with at most {options.max_chain} in a row: raise --lisa-max-chain." if options.max_chain else ".")
         )
     return sorted(candidates[:count])
 
@@ -248,9 +252,40 @@ def check_attention_types(layers: list[int], shareable: dict[int, bool]) -> None
 
 def ranked_candidates(similarity: list[LayerSimilarity], options: LisaOptions) -> list[int]:
     """Layers outside the protected shallow ones that have the attention type of the layer below, best reproduced by
-    the aligned previous layer first."""
+    the aligned previous layer first. With `max_chain`, a layer that would make a run of more consecutive shared
+    layers than that with the better ones is left out (greedily, so every prefix is the capped choice of its size)."""
     candidates = [s for s in similarity if s.layer >= max(1, options.protect_first) and s.shareable]
-    return [s.layer for s in sorted(candidates, key=lambda s: s.aligned_output_error)]
+    ranked = [s.layer for s in sorted(candidates, key=lambda s: s.aligned_output_error)]
+    if options.max_chain is None:
+        return ranked
+    taken: list[int] = []
+    for layer in ranked:
+        if chain_length(set(taken) | {layer}, layer) <= options.max_chain:
+            taken.append(layer)
+    return taken
+
+
+def most_with_max_chain(layers: list[int], max_chain: int) -> int:
+    """The most of `layers` that can be shared with at most `max_chain` consecutive ones (an upper bound of the greedy
+    choice, checked before calibration)."""
+    ordered = sorted(layers)
+    runs = [1] if ordered else []  # lengths of the runs of consecutive layers
+    for below, layer in zip(ordered, ordered[1:]):
+        if layer == below + 1:
+            runs[-1] += 1
+        else:
+            runs.append(1)
+    return sum(n - n // (max_chain + 1) for n in runs)
+
+
+def chain_length(layers: set[int], layer: int) -> int:
+    """Length of the run of consecutive layers in `layers` that contains `layer`."""
+    low, high = layer, layer
+    while low - 1 in layers:
+        low -= 1
+    while high + 1 in layers:
+        high += 1
+    return high - low + 1
 
 
 def search_layers_by_perplexity(
@@ -305,7 +340,7 @@ ABLATIONS = {
     "sparse + low-rank": dict(align="sparse"),  # the default
 }
 FIT_REPORT_SEQUENCES = 16  # the fit record's initial and final losses are on the first 16 calibration sequences
-SELECTION_ONLY = ("share_ratio", "layers", "protect_first", "ppl_budget")  # LisaOptions that do not change a fit
+SELECTION_ONLY = ("share_ratio", "layers", "protect_first", "ppl_budget", "max_chain")  # LisaOptions that do not change a fit
 
 
 @dataclass

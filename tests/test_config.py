@@ -27,6 +27,8 @@ BAD = [
     (["--lisa-align", "magic"], "dense, sparse, identity"),
     (["--lisa-lowrank-keys", "kv"], "Unknown --lisa-lowrank-keys 'kv': choose one of head, group"),
     (["--qk-compression", "1"], "--qk-compression must be > 1"),
+    (["--lisa-max-chain", "0"], "--lisa-max-chain must be a whole number >= 1"),
+    (["--lisa-max-chain", "2", "--lisa-layers", "3,4"], "--lisa-max-chain caps the layers --share-ratio or --lisa-ppl-budget choose"),
     (["--lisa-steps", "-1"], "--lisa-steps must be a whole number >= 0"),
     (["--lisa-batch-size", "0"], "--lisa-batch-size must be a whole number >= 1"),
     (["--fasc-budget", "0"], "--fasc-budget must be in (0, 1]"),
@@ -93,3 +95,16 @@ def test_sizes_and_one_meaning_per_name():
     options = ConvertOptions(source="x", out=Path("unused")).validate()
     assert options.max_ppl_increase == 10.0 and options.lisa.ppl_budget is None  # the gate and the search budget
     assert options.lisa.ratio == 0.2 and options.lisa.share_ratio is None
+
+
+def test_share_ratio_beyond_what_max_chain_allows_is_refused_before_calibration():
+    from transformers import LlamaConfig
+
+    from hfcompress.errors import HfcompressError
+    from hfcompress.lisa import LisaOptions
+
+    config = LlamaConfig(num_hidden_layers=8, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
+    # layers 2..7 can be shared: at most 3 of them with no two in a row, 4 with at most 2 in a row
+    ConvertOptions(source="x", out=Path("o"), lisa=LisaOptions(share_ratio=0.5, max_chain=2)).check_against_model(config)
+    with pytest.raises(HfcompressError, match="with at most 1 in a row: raise --lisa-max-chain"):
+        ConvertOptions(source="x", out=Path("o"), lisa=LisaOptions(share_ratio=0.5, max_chain=1)).check_against_model(config)

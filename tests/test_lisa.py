@@ -7,6 +7,7 @@ from hfcompress.lisa import (
     LayerSimilarity,
     LisaOptions,
     lowrank_rank,
+    most_with_max_chain,
     ranked_candidates,
     search_layers_by_perplexity,
     select_layers,
@@ -22,6 +23,17 @@ ERRORS = {1: 0.9, 2: 0.5, 3: 0.1, 4: 0.3, 5: 0.2, 6: 0.05, 7: 0.4}
 
 def test_ranked_candidates_skip_protected_layers_and_sort_by_aligned_error():
     assert ranked_candidates(similarity(ERRORS), LisaOptions(protect_first=2)) == [6, 3, 5, 4, 7, 2]
+
+
+def test_max_chain_leaves_out_layers_that_would_lengthen_a_run():
+    # ranked 6, 3, 5, 4, 7, 2: with at most 2 in a row, 4 (3-4-5-6) and 7 (5-6-7) are left out; 2 joins 3 (2-3)
+    assert ranked_candidates(similarity(ERRORS), LisaOptions(protect_first=2, max_chain=2)) == [6, 3, 5, 2]
+    assert ranked_candidates(similarity(ERRORS), LisaOptions(protect_first=2, max_chain=1)) == [6, 3]
+    assert select_layers(similarity(ERRORS), 8, LisaOptions(share_ratio=0.5, protect_first=2, max_chain=2)) == [2, 3, 5, 6]
+    with pytest.raises(HfcompressError, match="at most 1 in a row: raise --lisa-max-chain"):
+        select_layers(similarity(ERRORS), 8, LisaOptions(share_ratio=0.5, protect_first=2, max_chain=1))
+    assert most_with_max_chain([2, 3, 4, 5, 6, 7], 1) == 3 and most_with_max_chain([2, 3, 4, 5, 6, 7], 2) == 4
+    assert most_with_max_chain([2, 3, 5, 6, 7, 9], 2) == 5 and most_with_max_chain([], 3) == 0
 
 
 def test_share_ratio_and_explicit_layers():

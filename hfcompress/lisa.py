@@ -379,6 +379,14 @@ def scores_of(below: Below) -> torch.Tensor:
     return below
 
 
+def fit_inputs(x: torch.Tensor, options: LisaOptions) -> torch.Tensor:
+    """The calibration sequences a local fit draws from: the first `steps x batch_size` (at least the report's
+    FIT_REPORT_SEQUENCES). Its draws could reach no more distinct sequences than that, so a larger calibration (for
+    FASC's statistics, say) costs LISA neither the memory of its inputs, targets and handed-over features nor their
+    time. With fewer calibration sequences than that, as in every run measured so far, the fit reads them all."""
+    return x[: max(options.steps * options.batch_size, FIT_REPORT_SEQUENCES)]
+
+
 def fit_shared_layer(
     config,
     original: nn.Module,
@@ -528,15 +536,14 @@ def fit_lisa(
     below = None
     for idx in progress_bar(range(chosen[-1] + 1), "lisa: fit shared layers"):
         cos_sin = rotary(model, attn_inputs[0][:1], idx)
+        x = fit_inputs(attn_inputs[idx], options)
         if idx in chosen:
-            module, record = fit_shared_layer(
-                model.config, layers[idx].self_attn, cos_sin, idx, attn_inputs[idx], below, matching[idx], rank, options
-            )
+            module, record = fit_shared_layer(model.config, layers[idx].self_attn, cos_sin, idx, x, below, matching[idx], rank, options)
             converted[idx] = module
             fitted.append(record)
         if idx + 1 in chosen:  # the next layer anchors on what this (converted) one hands over
             module = converted.get(idx, layers[idx].self_attn)
-            below = handed_over(module, attn_inputs[idx], below if idx in converted else None, cos_sin, options)
+            below = handed_over(module, x, below if idx in converted else None, cos_sin, options)
         else:
             below = None
     return fitted
@@ -655,7 +662,7 @@ class LisaMethod(Method):
         if not self.touches(idx):
             self.below = None
             return state
-        x = ctx.attention_input()
+        x = fit_inputs(ctx.attention_input(), self.options)
         cos_sin = ctx.cos_sin(x.shape[1])
         module = ctx.layer.self_attn
         if idx in self.chosen:

@@ -139,3 +139,27 @@ def test_sparse_fits_read_the_features_below_and_fit_as_from_its_scores(lowrank_
     positions = torch.arange(16).unsqueeze(0).expand(8, -1)
     expected = module.scores(scores, *module.lowrank_qk(x, positions))
     torch.testing.assert_close(scores_of(passed), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_fits_read_only_the_sequences_their_draws_can_reach():
+    """A fit of `steps x batch_size` draws reads the first that many calibration sequences (at least the report's 16),
+    so a larger calibration costs LISA no memory: sequences beyond them are never read (NaN there changes nothing),
+    and with fewer sequences than that the fit reads them all."""
+    import torch
+
+    from hfcompress.lisa import fit_lisa, measure_similarity
+
+    model, _, _ = tiny_converted_llama(num_layers=4)
+    torch.manual_seed(1)
+    inputs = [torch.randn(24, 16, 32) * 0.3 for _ in range(4)]
+    similarity = measure_similarity(model, inputs)
+    options = LisaOptions(steps=8, batch_size=2)  # 16 draws: the first 16 of 24 sequences
+    poisoned = [torch.cat([t[:16], torch.full_like(t[16:], float("nan"))]) for t in inputs]
+    fits = [fit_lisa(model, x, [2, 3], similarity, options) for x in (inputs, poisoned, [t[:16] for t in inputs])]
+    for a, b, c in zip(*fits):
+        assert all(torch.isfinite(v).all() for v in a.state.values())
+        assert all(torch.equal(a.state[k], b.state[k]) and torch.equal(a.state[k], c.state[k]) for k in a.state)
+    everything = LisaOptions(steps=8, batch_size=4)  # 32 draws reach all 24
+    assert not all(torch.equal(a.state[k], b.state[k]) for a, b in zip(
+        fit_lisa(model, inputs, [2, 3], similarity, everything), fit_lisa(model, poisoned, [2, 3], similarity, everything)
+    ) for k in a.state)

@@ -67,6 +67,9 @@ RUNS = {
     # no more than 2 shared layers in a row: a chain's errors compound (the alternating 4k run lost less on news)
     "wiki-lisa15-group-qk3-steps600b1-calib33k-distill16k-chain2": LISA15 + NEW_FIT + WIKI_TEXTS + [
         "--calib-sequences", "64", "--seq-len", "512", "--distill-tokens", "16384", "--lisa-max-chain", "2"],
+    # distillation on text of no particular domain: windows the original writes itself (LLM-QAT), with Wikipedia
+    "wiki-lisa15-group-qk3-steps600b1-calib33k-distill16k-mixed": LISA15 + NEW_FIT + WIKI_TEXTS + [
+        "--calib-sequences", "64", "--seq-len", "512", "--distill-tokens", "16384", "--distill-data", "mixed"],
     "wiki-lisa15-distill64k": LISA15 + OLD_FIT + WIKI_TEXTS + ["--distill-tokens", "65536"],
     "wiki-lisa15-group-distill64k": LISA15 + OLD_FIT + WIKI_TEXTS + ["--lisa-lowrank-keys", "group", "--distill-tokens", "65536"],
     "wiki-fasc09-fisher-distill16k": FASC09 + WIKI_TEXTS + ["--distill-tokens", "16384"],

@@ -138,6 +138,9 @@ def convert(
     distill_curve_tokens: int = typer.Option(
         DistillOptions.curve_tokens, help="Distillation: evaluation tokens per text at each learning-curve point."
     ),
+    distill_data: str = typer.Option(
+        DistillOptions.data, help="Distillation windows: calibration (the calibration text), generated (text the original model samples itself from random first tokens: no particular domain) or mixed (both, alternating steps)."
+    ),
     distill_gradient_checkpointing: bool = typer.Option(
         False, help="Distillation: recompute activations in the backward pass (less memory for long windows or big models, one more forward per step)."
     ),
@@ -220,6 +223,7 @@ def convert(
                 lora_rank=distill_lora_rank,
                 curve_tokens=distill_curve_tokens,
                 gradient_checkpointing=distill_gradient_checkpointing,
+                data=distill_data,
             ),
         ).validate()  # every value and combination, before any network or model work
         if layer_by_layer:

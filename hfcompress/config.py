@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .distill import DistillOptions
+from .distill import DISTILL_DATA, DistillOptions
 from .errors import HfcompressError
 from .fasc import FascOptions
 from .lisa import LisaOptions
@@ -158,6 +158,8 @@ class ConvertOptions:
         _at_least(distill.batch_size, 1, "--distill-batch-size")
         _at_least(distill.lora_rank, 0, "--distill-lora-rank")
         _at_least(distill.curve_tokens, 2, "--distill-curve-tokens")
+        if distill.data not in DISTILL_DATA:
+            raise HfcompressError(f"Unknown --distill-data '{distill.data}': choose one of {', '.join(DISTILL_DATA)}.")
         for option, lr in (("--distill-lr", distill.lr), ("--distill-weight-lr", distill.weight_lr)):
             if not (math.isfinite(lr) and lr > 0):
                 raise HfcompressError(f"{option} must be a learning rate > 0, got {lr}.")
@@ -168,6 +170,8 @@ class ConvertOptions:
             )
         if distill.tokens == 0 and distill.lora_rank:
             raise HfcompressError("--distill-lora-rank configures distillation, which --distill-tokens 0 turns off.")
+        if distill.tokens == 0 and distill.data != "calibration":
+            raise HfcompressError("--distill-data configures distillation, which --distill-tokens 0 turns off.")
         if distill.tokens and not self.changes_layers and not distill.lora_rank:
             raise HfcompressError(
                 "--distill-tokens trains what the conversion creates, and this one shares no layer and factorises none: "

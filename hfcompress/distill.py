@@ -23,12 +23,12 @@ import torch
 from torch import nn
 
 from .atomic import save_atomic
-from .calibrate import cache_key
+from .calibrate import cache_key, load_or_compute
 from .errors import HfcompressError
 from .fasc import is_fasc_parameter
 from .lisa import LOWRANK_INPUT_RMS, is_lisa_parameter
 from .methods import Finisher, register
-from .progress import console, training_bar
+from .progress import console, progress_bar, training_bar
 from .text import prefixed
 from .validate import perplexity
 
@@ -37,6 +37,10 @@ CHECKPOINT_SECONDS = 120.0  # save the training state this often (and at every c
 CURVE_FIRST_POINT = 16_384  # curve points at 0, 16k, 64k, 256k, ... tokens (x4) and at the budget
 KL_LOG_EVERY = 16_384  # tokens per averaged point of the KL curve
 DEFAULT_TOKENS = 16_384  # when --distill-tokens is not given and the whole model fits (measured: benchmarks/scaling)
+# where the training windows come from: the calibration text, text the original model samples itself, or both
+DISTILL_DATA = ("calibration", "generated", "mixed")
+GREEDY_START_TOKENS = 4  # generated windows: a random first token, then this many greedy ones, then sampling (LLM-QAT)
+GENERATE_BATCH = 16
 
 
 @dataclass
@@ -51,6 +55,7 @@ class DistillOptions:
     lora_rank: int = 0  # LoRA (peft) on the frozen dense linears, merged before saving; 0 = only the new parameters
     curve_tokens: int = 2048  # evaluation tokens per text at each curve point (the final figure uses --eval-tokens)
     gradient_checkpointing: bool = False  # recompute each layer's activations in backward: less memory, one more forward
+    data: str = "calibration"  # DISTILL_DATA; mixed: calibration windows at even steps, generated ones at odd steps
 
     @property
     def budget(self) -> int:
@@ -114,6 +119,35 @@ def window_starts(ids: torch.Tensor, seq_len: int, batch_size: int, steps: int, 
 
 
 @torch.no_grad()
+def generated_windows(teacher: nn.Module, count: int, length: int, prefix: list[int], seed: int) -> torch.Tensor:
+    """(count, length) token ids the original model writes itself, for distillation on text of no particular domain
+    (LLM-QAT's data-free recipe, arXiv 2305.17888): a uniformly random first token, GREEDY_START_TOKENS greedy ones
+    (sampling straight from a random token wanders off), then sampling from the full distribution at temperature 1,
+    with end-of-text suppressed so every window is full. Seeded: a rerun writes the same windows."""
+    device = next(teacher.parameters()).device
+    first = torch.randint(teacher.config.vocab_size, (count, 1), generator=torch.Generator().manual_seed(seed))
+    head = torch.tensor(prefix, dtype=torch.long).expand(count, -1)
+    greedy = min(GREEDY_START_TOKENS, length - 1)
+    sampled = length - 1 - greedy
+    # every setting explicit: the model's generation_config (an instruct model's low temperature, say) must not apply
+    eos = teacher.config.eos_token_id
+    fixed = dict(pad_token_id=(eos[0] if isinstance(eos, list) else eos) or 0, use_cache=True)
+    rows = []
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        for part in progress_bar(list(torch.cat([head, first], dim=1).split(GENERATE_BATCH)), "distill: generate windows"):
+            ids = part.to(device)
+            if greedy:
+                ids = teacher.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=greedy,
+                                       min_new_tokens=greedy, **fixed)
+            if sampled:
+                ids = teacher.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
+                                       top_p=1.0, max_new_tokens=sampled, min_new_tokens=sampled, **fixed)
+            rows.append(ids[:, len(prefix):].cpu())
+    return torch.cat(rows)
+
+
+@torch.no_grad()
 def lowrank_input_scales(student: nn.Module, ids: torch.Tensor) -> dict[str, float]:
     """Per shared layer (its q_lowrank's module name): LOWRANK_INPUT_RMS / RMS of its input on `ids`, the factor the
     local fit also applies to the low-rank Q/K weights' rate (lisa.LOWRANK_INPUT_RMS: Adam's step is a fixed size in
@@ -132,6 +166,30 @@ def lowrank_input_scales(student: nn.Module, ids: torch.Tensor) -> dict[str, flo
     return {name: LOWRANK_INPUT_RMS / max(value, 1e-6) for name, value in rms.items()}
 
 
+def training_windows(teacher: nn.Module, data: DistillData, options: DistillOptions, state_dir: Path):
+    """step -> its (batch, seq_len) training ids, prefix included: calibration windows at seeded random offsets,
+    windows the original model generated (made once, kept with the resumable state), or the two alternating."""
+    steps, body = options.steps, options.seq_len - len(data.prefix)  # text tokens per window after the prefix
+    generated_steps = {"calibration": 0, "generated": steps, "mixed": steps // 2}[options.data]
+    generated = None
+    if generated_steps:
+        count = generated_steps * options.batch_size
+        generated = load_or_compute(
+            state_dir / f"generated-{count}x{body}.pt", lambda: generated_windows(teacher, count, body, data.prefix, data.seed)
+        )
+    if options.data == "generated":
+        return lambda step: prefixed(data.prefix, generated[step * options.batch_size : (step + 1) * options.batch_size])
+    starts = window_starts(data.train_ids, body, options.batch_size, steps, data.seed)
+    offsets = torch.arange(body)
+
+    def window(step: int) -> torch.Tensor:
+        if options.data == "mixed" and step % 2:
+            return prefixed(data.prefix, generated[(step // 2) * options.batch_size : (step // 2 + 1) * options.batch_size])
+        return prefixed(data.prefix, data.train_ids[starts[step][:, None] + offsets])
+
+    return window
+
+
 def distill(student: nn.Module, teacher: nn.Module, data: DistillData, options: DistillOptions, state_dir: Path) -> dict:
     """AdamW on the student's trainable parameters minimising KL(teacher || student) per token, resumable from
     `state_dir`. Returns the record for the report (settings, timings, the learning curve)."""
@@ -141,12 +199,10 @@ def distill(student: nn.Module, teacher: nn.Module, data: DistillData, options: 
     if not parameters:
         raise HfcompressError("--distill-tokens has nothing to train: the conversion changed no layer.")
     steps, tokens_per_step = options.steps, options.seq_len * options.batch_size
-    body = options.seq_len - len(data.prefix)  # text tokens per window after the prefix
-    starts = window_starts(data.train_ids, body, options.batch_size, steps, data.seed)
-    offsets = torch.arange(body)
+    window = training_windows(teacher, data, options, state_dir)
     # LISA's modules at options.lr, their low-rank Q/K weights scaled by their input's RMS (measured on the first
     # window) as in the local fit; FASC factors and LoRA adapters at options.weight_lr
-    scales = lowrank_input_scales(student, prefixed(data.prefix, data.train_ids[starts[0][:1, None] + offsets]).to(device))
+    scales = lowrank_input_scales(student, window(0)[:1].to(device))
     lowrank = {n: scales[m.replace("k_lowrank", "q_lowrank")] for n, _ in named
                if (m := n.rsplit(".", 1)[0]).endswith(("q_lowrank", "k_lowrank"))}
     groups = [{"params": [p for n, p in named if is_lisa_parameter(n) and n not in lowrank], "lr": options.lr}]
@@ -197,7 +253,7 @@ def distill(student: nn.Module, teacher: nn.Module, data: DistillData, options: 
     last_save = time.perf_counter()  # the first checkpoint comes CHECKPOINT_SECONDS after training starts
     with training_bar(steps * tokens_per_step, "distill: KL to the original", done=step * tokens_per_step) as advance:
         while step < steps:
-            ids = prefixed(data.prefix, data.train_ids[starts[step][:, None] + offsets]).to(device)
+            ids = window(step).to(device)
             with torch.no_grad():
                 target = torch.log_softmax(teacher(ids, use_cache=False).logits.float(), dim=-1)
             logits = student(input_ids=ids, use_cache=False).logits.float()

@@ -39,6 +39,8 @@ BAD = [
     (["--distill-tokens", "4096", "--share-ratio", "0"], "--distill-tokens trains what the conversion creates"),
     (["--distill-tokens", "100"], "is less than one step"),
     (["--distill-tokens", "0", "--distill-lora-rank", "4"], "configures distillation, which --distill-tokens 0 turns off"),
+    (["--distill-tokens", "4096", "--distill-data", "web"], "Unknown --distill-data 'web': choose one of calibration, generated, mixed"),
+    (["--distill-tokens", "0", "--distill-data", "generated"], "--distill-data configures distillation, which --distill-tokens 0 turns off"),
     (["--distill-tokens", "4096", "--distill-lr", "0"], "--distill-lr must be a learning rate > 0"),
     (["--distill-tokens", "4096", "--distill-seq-len", "8"], "--distill-seq-len must be a whole number >= 16"),
     (["--ood-text", "newspaper"], "--ood-text 'newspaper' is neither a file nor a text name"),

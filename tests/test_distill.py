@@ -188,3 +188,36 @@ def test_low_rank_rates_are_scaled_by_their_input_rms(models, tmp_path):
             layer = name.split("layers.")[1].split(".")[0]
             expected = OPTIONS.lr * record["lowrank_lr_scale"][layer] if "_lowrank" in name else OPTIONS.lr
             assert group["initial_lr"] == pytest.approx(expected, rel=1e-3), name  # the schedule multiplies it
+
+
+def test_generated_windows_are_the_originals_own_full_length_text(models):
+    """Windows the original writes: full length (end-of-text suppressed), seeded (a rerun writes the same), each
+    starting from a random first token, then greedy, then sampled (rows differ after the same start)."""
+    from hfcompress.distill import GREEDY_START_TOKENS, generated_windows
+
+    teacher = models[0]
+    first = generated_windows(teacher, 5, 24, [], seed=3)
+    assert first.shape == (5, 24) and first.dtype == torch.long
+    assert torch.equal(first, generated_windows(teacher, 5, 24, [], seed=3))
+    assert not torch.equal(first, generated_windows(teacher, 5, 24, [], seed=4))
+    with torch.no_grad():  # the greedy start is the original's argmax after the random first token
+        greedy = teacher(first[:, : GREEDY_START_TOKENS]).logits.argmax(-1)
+    assert torch.equal(greedy, first[:, 1 : GREEDY_START_TOKENS + 1])
+    with_bos = generated_windows(teacher, 2, 24, [7], seed=3)
+    assert with_bos.shape == (2, 24)  # the prefix is not part of the window
+
+
+@pytest.mark.parametrize("data", ["generated", "mixed"])
+def test_distillation_on_generated_text_lowers_kl_on_the_originals_text(models, tmp_path, data):
+    """A random model's own text is nothing like English, so the KL that must fall is on more of its own text (fresh
+    windows of another seed)."""
+    from hfcompress.distill import generated_windows
+
+    teacher, student, train_ids, eval_ids = models
+    own_text = generated_windows(teacher, 4, 64, [], seed=99).flatten()
+    kl_before = kl(student, teacher, own_text)
+    options = DistillOptions(**{**OPTIONS.__dict__, "data": data, "tokens": 32 * 2 * 32, "lr": 1e-3})
+    trained, record = run_stage(student, teacher, train_ids, eval_ids, tmp_path, options)
+    assert kl(trained, teacher, own_text) < 0.99 * kl_before and record["data"] == data
+    generated = list(tmp_path.glob("distill-*/generated-*.pt"))
+    assert [p.name for p in generated] == [f"generated-{32 * 2 if data == 'generated' else 16 * 2}x32.pt"]

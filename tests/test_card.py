@@ -206,7 +206,9 @@ def test_nothing_changed_and_distillation(report):
     }
     card = render_card(distilled, REPO)
     assert "### Distillation" in card.text and "then distilled from the original" in card.text
-    assert "distillation" in header(card)["tags"]
+    assert "distillation" in header(card)["tags"] and "192 tokens of calibration text" in card.text
+    distilled["finishers"]["distillation"]["data"] = "generated"
+    assert "192 tokens of text the original model wrote itself" in render_card(distilled, REPO).text
 
 
 def test_unknown_licence_is_said_not_invented(report, tmp_path):

@@ -121,9 +121,9 @@ def window_starts(ids: torch.Tensor, seq_len: int, batch_size: int, steps: int, 
 @torch.no_grad()
 def generated_windows(teacher: nn.Module, count: int, length: int, prefix: list[int], seed: int) -> torch.Tensor:
     """(count, length) token ids the original model writes itself, for distillation on text of no particular domain
-    (LLM-QAT's data-free recipe, arXiv 2305.17888): a uniformly random first token, GREEDY_START_TOKENS greedy ones
-    (sampling straight from a random token wanders off), then sampling from the full distribution at temperature 1,
-    with end-of-text suppressed so every window is full. Seeded: a rerun writes the same windows."""
+    (LLM-QAT's data-free recipe, arXiv 2305.17888, which found this start better than all-greedy or all-sampled): a
+    uniformly random first token, GREEDY_START_TOKENS greedy ones, then sampling from the full distribution at
+    temperature 1, with end-of-text suppressed so every window is full. Seeded: a rerun writes the same windows."""
     device = next(teacher.parameters()).device
     first = torch.randint(teacher.config.vocab_size, (count, 1), generator=torch.Generator().manual_seed(seed))
     head = torch.tensor(prefix, dtype=torch.long).expand(count, -1)

@@ -191,8 +191,8 @@ def test_low_rank_rates_are_scaled_by_their_input_rms(models, tmp_path):
 
 
 def test_generated_windows_are_the_originals_own_full_length_text(models):
-    """Windows the original writes: full length (end-of-text suppressed), seeded (a rerun writes the same), each
-    starting from a random first token, then greedy, then sampled (rows differ after the same start)."""
+    """Windows the original writes: full length (end-of-text suppressed), seeded (a rerun writes the same, another seed
+    others), a random first token followed by the original's greedy choices, the prefix not counted."""
     from hfcompress.distill import GREEDY_START_TOKENS, generated_windows
 
     teacher = models[0]

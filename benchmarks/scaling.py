@@ -68,7 +68,7 @@ RUNS = {
     **{
         f"wiki-lisa15-group-qk3-steps600b1-calib{calib}-distill{size}-chain2": LISA15 + NEW_FIT + WIKI_TEXTS + [
             "--calib-sequences", str(sequences), "--seq-len", "512", "--distill-tokens", str(tokens), "--lisa-max-chain", "2"]
-        for calib, sequences, size, tokens in (("33k", 64, "16k", 16384), ("131k", 256, "64k", 65536))
+        for calib, sequences, size, tokens in (("33k", 64, "16k", 16384), ("131k", 256, "16k", 16384), ("131k", 256, "64k", 65536))
     },
     # distillation on text of no particular domain: windows the original writes itself (LLM-QAT), with Wikipedia
     "wiki-lisa15-group-qk3-steps600b1-calib33k-distill16k-mixed": LISA15 + NEW_FIT + WIKI_TEXTS + [

@@ -177,14 +177,17 @@ def training_windows(teacher: nn.Module, data: DistillData, options: DistillOpti
         generated = load_or_compute(
             state_dir / f"generated-{count}x{body}.pt", lambda: generated_windows(teacher, count, body, data.prefix, data.seed)
         )
+    def generated_batch(index: int) -> torch.Tensor:
+        return prefixed(data.prefix, generated[index * options.batch_size : (index + 1) * options.batch_size])
+
     if options.data == "generated":
-        return lambda step: prefixed(data.prefix, generated[step * options.batch_size : (step + 1) * options.batch_size])
+        return generated_batch
     starts = window_starts(data.train_ids, body, options.batch_size, steps, data.seed)
     offsets = torch.arange(body)
 
     def window(step: int) -> torch.Tensor:
         if options.data == "mixed" and step % 2:
-            return prefixed(data.prefix, generated[(step // 2) * options.batch_size : (step // 2 + 1) * options.batch_size])
+            return generated_batch(step // 2)
         return prefixed(data.prefix, data.train_ids[starts[step][:, None] + offsets])
 
     return window

@@ -277,18 +277,23 @@ def cache_state(cache: Path) -> dict[str, int]:
     return {str(p.relative_to(cache)): p.stat().st_mtime_ns for p in cache.rglob("*") if p.is_file()}
 
 
-def interrupt_at(monkeypatch, step: str) -> None:
-    """Ctrl-C as the pipeline announces `step` (every step is logged on the console when it starts)."""
+def fail_at(monkeypatch, step: str, error: BaseException) -> None:
+    """Raise `error` as the pipeline announces `step` (every step is logged on the console when it starts)."""
     from hfcompress.progress import console
 
     log = console.log
 
-    def interrupting_log(*objects, **kwargs):
+    def failing_log(*objects, **kwargs):
         if any(f"[bold cyan]{step}[/]" == str(o) for o in objects):
-            raise KeyboardInterrupt
+            raise error
         return log(*objects, **kwargs)
 
-    monkeypatch.setattr(console, "log", interrupting_log)
+    monkeypatch.setattr(console, "log", failing_log)
+
+
+def interrupt_at(monkeypatch, step: str) -> None:
+    """Ctrl-C as the pipeline announces `step`."""
+    fail_at(monkeypatch, step, KeyboardInterrupt())
 
 
 def test_interrupted_conversion_resumes_from_cache(warm, tmp_path, monkeypatch):
@@ -320,20 +325,6 @@ def test_interrupted_write_leaves_no_output(warm, tmp_path, monkeypatch):
     result = convert(str(tiny), "--out", str(out), "--max-ppl-increase", "1000", *FAST)
     assert result.exit_code == 130, result.output
     assert not out.exists() and not leftovers(tmp_path)
-
-
-def fail_at(monkeypatch, step: str, error: BaseException) -> None:
-    """Raise `error` as the pipeline announces `step`."""
-    from hfcompress.progress import console
-
-    log = console.log
-
-    def failing_log(*objects, **kwargs):
-        if any(f"[bold cyan]{step}[/]" == str(o) for o in objects):
-            raise error
-        return log(*objects, **kwargs)
-
-    monkeypatch.setattr(console, "log", failing_log)
 
 
 @pytest.mark.parametrize(

@@ -184,7 +184,7 @@ class ConvertOptions:
     def check_against_model(self, config) -> None:
         """Checks that need the source's config (layer count, attention types and shapes); run before calibration."""
         from .build import converted_config
-        from .lisa import check_attention_types, lowrank_rank, most_with_max_chain, shareable_layers
+        from .lisa import check_attention_types, lowrank_rank, most_with_max_chain, shareable_layers, too_few_candidates
 
         config = converted_config(config, {})  # the family's view: attention types per layer, head_dim
         layers = config.num_hidden_layers
@@ -199,11 +199,7 @@ class ConvertOptions:
             eligible = [layer for layer, ok in shareable.items() if ok and layer >= max(1, self.lisa.protect_first)]
             candidates = len(eligible) if self.lisa.max_chain is None else most_with_max_chain(eligible, self.lisa.max_chain)
             if count > candidates:
-                raise HfcompressError(
-                    f"--share-ratio {self.lisa.ratio} asks for {count} shared layers but only {candidates} are outside "
-                    f"the {self.lisa.protect_first} protected shallow layers and have the attention type of the layer below"
-                    + (f", with at most {self.lisa.max_chain} in a row: raise --lisa-max-chain." if self.lisa.max_chain else ".")
-                )
+                raise HfcompressError(too_few_candidates(self.lisa, count, candidates))
         if self.lisa.lowrank:
             lowrank_rank(config, self.lisa.qk_compression, self.lisa.lowrank_keys)
 

@@ -220,12 +220,17 @@ def select_layers(similarity: list[LayerSimilarity], num_layers: int, options: L
     count = round(options.ratio * num_layers)
     candidates = ranked_candidates(similarity, options)
     if count > len(candidates):
-        raise HfcompressError(
-            f"--share-ratio {options.ratio} asks for {count} shared layers but only {len(candidates)} are outside "
-            f"the {options.protect_first} protected shallow layers and have the attention type of the layer below"
-            + (f", with at most {options.max_chain} in a row: raise --lisa-max-chain." if options.max_chain else ".")
-        )
+        raise HfcompressError(too_few_candidates(options, count, len(candidates)))
     return sorted(candidates[:count])
+
+
+def too_few_candidates(options: LisaOptions, count: int, candidates: int) -> str:
+    """The refusal of a share ratio asking for `count` layers when only `candidates` can be shared."""
+    return (
+        f"--share-ratio {options.ratio} asks for {count} shared layers but only {candidates} are outside the "
+        f"{options.protect_first} protected shallow layers and have the attention type of the layer below"
+        + (f", with at most {options.max_chain} in a row: raise --lisa-max-chain." if options.max_chain else ".")
+    )
 
 
 # Sharing across attention types: a shared layer reads the scores of the layer below over the keys that layer sees and

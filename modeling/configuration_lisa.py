@@ -9,11 +9,15 @@ fields (`lisa_layers`, `fasc_ranks`), calling `normalise_specs()` first in its `
 Cache layer types: a LISA layer caches low-rank keys (H heads x r) and values (KV heads), which transformers' own cache
 layers cannot allocate; its type is its attention type with the "lisa_" prefix ("lisa_attention" for full attention,
 "lisa_sliding_attention" for a sliding window), and `lisa_attention.py` registers the cache layers of those names.
+A layer whose attention is dropped caches nothing: "dropped_attention" / "dropped_sliding_attention", transformers'
+DummyLayer (the attention type stays readable from the name, for the families that keep only `layer_types`).
 """
 
 # attention type -> cache layer type of a LISA layer of that type (the attention types this modeling implements)
 LISA_CACHE_TYPES = {"full_attention": "lisa_attention", "sliding_attention": "lisa_sliding_attention"}
-ATTENTION_TYPES = {lisa: attention for attention, lisa in LISA_CACHE_TYPES.items()}
+# attention type -> cache layer type of a layer whose attention is dropped (it caches nothing)
+DROPPED_CACHE_TYPES = {"full_attention": "dropped_attention", "sliding_attention": "dropped_sliding_attention"}
+ATTENTION_TYPES = {cache: attention for kinds in (LISA_CACHE_TYPES, DROPPED_CACHE_TYPES) for attention, cache in kinds.items()}
 ALIGN_KINDS = ("dense", "sparse")
 
 
@@ -33,16 +37,24 @@ class LisaConfigMixin:
     fasc_ranks (`dict[str, int]`, *optional*):
         Module path inside a decoder layer, e.g. `"3.mlp.down_proj"` -> rank k. That linear becomes
         `y = A (B x)` with `B: k x in` (`proj_in`) and `A: out x k` (`proj_out`).
+    dropped_attention_layers (`list[int]`, *optional*):
+        Layers whose attention sub-block is removed (no q/k/v/o weights, no cache): the layer is its MLP part on the
+        residual stream alone. Layer 0 keeps its attention, and so does the anchor of a LISA layer.
     """
 
     def normalise_specs(self) -> None:
         """JSON round trips give string keys and plain dicts; compare and look up by those."""
         self.lisa_layers = {str(k): dict(v) for k, v in (self.lisa_layers or {}).items()}
         self.fasc_ranks = {str(k): int(v) for k, v in (self.fasc_ranks or {}).items()}
+        self.dropped_attention_layers = sorted({int(i) for i in self.dropped_attention_layers or []})
 
     def cache_layer_types(self) -> list[str]:
         """Per layer, the type its cache layer is built from (see the module docstring)."""
-        return [LISA_CACHE_TYPES[t] if str(i) in self.lisa_layers else t for i, t in enumerate(self.attention_types)]
+        dropped = set(self.dropped_attention_layers)
+        return [
+            DROPPED_CACHE_TYPES[t] if i in dropped else LISA_CACHE_TYPES[t] if str(i) in self.lisa_layers else t
+            for i, t in enumerate(self.attention_types)
+        ]
 
     def validate_layer_type(self):
         """One attention type per layer, of those this modeling implements (the library's list of layer types does not
@@ -73,3 +85,10 @@ class LisaConfigMixin:
                 )
             if spec.get("align", "dense") not in ALIGN_KINDS:
                 raise ValueError(f"LISA layer {idx}: align must be 'dense' or 'sparse', got {spec['align']!r}.")
+            if idx - 1 in self.dropped_attention_layers:
+                raise ValueError(f"LISA layer {idx} cannot share the attention of layer {idx - 1}: that layer's is dropped.")
+        for idx in self.dropped_attention_layers:
+            if not 0 < idx < self.num_hidden_layers:
+                raise ValueError(f"dropped attention layer {idx} must be in 1..{self.num_hidden_layers - 1}.")
+            if str(idx) in self.lisa_layers:
+                raise ValueError(f"layer {idx} is both a LISA layer and a dropped attention layer: it can be only one.")

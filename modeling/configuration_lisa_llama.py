@@ -13,13 +13,15 @@ from .configuration_lisa import LisaConfigMixin
 @strict
 class LisaLlamaConfig(LisaConfigMixin, LlamaConfig):
     r"""
-    A `LlamaConfig` plus `lisa_layers` and `fasc_ranks` (see `LisaConfigMixin`). Every layer has full attention.
+    A `LlamaConfig` plus `lisa_layers`, `fasc_ranks` and `dropped_attention_layers` (see `LisaConfigMixin`). Every
+    layer has full attention.
     """
 
     model_type = "lisa_llama"
 
     lisa_layers: dict | None = None
     fasc_ranks: dict | None = None
+    dropped_attention_layers: list | None = None
 
     def __post_init__(self, **kwargs):
         self.normalise_specs()

@@ -13,14 +13,15 @@ from .configuration_lisa import LisaConfigMixin
 @strict
 class LisaMistralConfig(LisaConfigMixin, MistralConfig):
     r"""
-    A `MistralConfig` plus `lisa_layers` and `fasc_ranks` (see `LisaConfigMixin`). Every layer attends within the
-    last `sliding_window` positions, or to all of them when it is None.
+    A `MistralConfig` plus `lisa_layers`, `fasc_ranks` and `dropped_attention_layers` (see `LisaConfigMixin`).
+    Every layer attends within the last `sliding_window` positions, or to all of them when it is None.
     """
 
     model_type = "lisa_mistral"
 
     lisa_layers: dict | None = None
     fasc_ranks: dict | None = None
+    dropped_attention_layers: list | None = None
 
     def __post_init__(self, **kwargs):
         self.normalise_specs()

@@ -47,7 +47,10 @@ import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import (
+    DYNAMIC_LAYER_TYPE_MAPPING,
+    STATIC_LAYER_TYPE_MAPPING,
     Cache,
+    DummyLayer,
     DynamicCache,
     DynamicLayer,
     DynamicSlidingWindowLayer,
@@ -149,6 +152,12 @@ class LisaStaticSlidingLayer(StaticSlidingWindowLayer):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         allocate_lisa_static(self, key_states, value_states)
+
+
+# A layer whose attention is dropped stores nothing: transformers' DummyLayer under the cache layer types of
+# configuration_lisa.DROPPED_CACHE_TYPES (DummyLayer does not register itself by `_layer_type`)
+for _dropped_type in ("dropped_attention", "dropped_sliding_attention"):
+    DYNAMIC_LAYER_TYPE_MAPPING[_dropped_type] = STATIC_LAYER_TYPE_MAPPING[_dropped_type] = DummyLayer
 
 
 def bind_sliding_windows(cache: Cache, sliding_window: int) -> None:
@@ -634,7 +643,8 @@ def factorise_linears(layer: nn.Module, config, layer_idx: int) -> None:
 
 class LisaDecoderLayer(GradientCheckpointingLayer):
     """A pre-norm decoder layer (Llama's layout: norm, attention, residual, norm, MLP, residual) with a family's
-    `attention_class`, `mlp_class` and `norm_class`; a LISA layer's attention is LisaSharedAttention instead."""
+    `attention_class`, `mlp_class` and `norm_class`; a LISA layer's attention is LisaSharedAttention instead, and a
+    layer in `dropped_attention_layers` has no attention at all (nor its input norm): the MLP part alone."""
 
     attention_class: type[nn.Module] = LisaAttention
     mlp_class: type[nn.Module]
@@ -646,7 +656,10 @@ class LisaDecoderLayer(GradientCheckpointingLayer):
         self.attention_type = config.attention_types[layer_idx]
         lisa = config.lisa_layers.get(str(layer_idx))
         self.is_lisa = lisa is not None
-        if self.is_lisa:
+        self.attention_free = layer_idx in config.dropped_attention_layers
+        if self.attention_free:
+            self.self_attn = self.input_layernorm = None
+        elif self.is_lisa:
             self.self_attn = LisaSharedAttention(
                 config, layer_idx, int(lisa["rank"]), int(lisa.get("align_hidden", 0)), lisa.get("align", "dense"),
                 int(lisa.get("key_heads", config.num_attention_heads)),
@@ -654,7 +667,8 @@ class LisaDecoderLayer(GradientCheckpointingLayer):
         else:
             self.self_attn = self.attention_class(config, layer_idx)
         self.mlp = self.mlp_class(config)
-        self.input_layernorm = self.norm_class(config.hidden_size, eps=config.rms_norm_eps)
+        if not self.attention_free:
+            self.input_layernorm = self.norm_class(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = self.norm_class(config.hidden_size, eps=config.rms_norm_eps)
         factorise_linears(self, config, layer_idx)
 
@@ -676,6 +690,8 @@ class LisaDecoderLayer(GradientCheckpointingLayer):
         layer's attention type. `lowrank_position_embeddings`: (rank, attention type) -> `lowrank_rotary` of
         `position_ids`, computed once for all layers. Under gradient checkpointing `prev` is a keyword argument, so only
         the non-reentrant checkpoint (transformers' default) sees it and its gradient."""
+        if self.attention_free:  # no attention: it hands nothing on (the layer above is never a LISA layer)
+            return self.after_attention(hidden_states, None), None
         residual = hidden_states
         normed = self.input_layernorm(hidden_states)
         if self.is_lisa:
@@ -692,9 +708,10 @@ class LisaDecoderLayer(GradientCheckpointingLayer):
             )  # fmt: skip
         return self.after_attention(residual, attn_out), passed
 
-    def after_attention(self, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        """The residual stream after the attention: Llama's residual, norm, MLP, residual (Gemma 3 adds norms)."""
-        hidden_states = residual + attn_out
+    def after_attention(self, residual: torch.Tensor, attn_out: torch.Tensor | None) -> torch.Tensor:
+        """The residual stream after the attention (None: a dropped attention): Llama's residual, norm, MLP, residual
+        (Gemma 3 adds norms)."""
+        hidden_states = residual if attn_out is None else residual + attn_out
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 

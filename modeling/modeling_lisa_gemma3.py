@@ -89,9 +89,11 @@ class LisaGemma3DecoderLayer(LisaDecoderLayer):
         super().__init__(config, layer_idx)
         self.pre_feedforward_layernorm = Gemma3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_feedforward_layernorm = Gemma3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if self.attention_free:  # its norm of the attention's output goes with the attention
+            self.post_attention_layernorm = None
 
-    def after_attention(self, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        hidden_states = residual + self.post_attention_layernorm(attn_out)
+    def after_attention(self, residual: torch.Tensor, attn_out: torch.Tensor | None) -> torch.Tensor:
+        hidden_states = residual if attn_out is None else residual + self.post_attention_layernorm(attn_out)
         return hidden_states + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden_states)))
 
 

@@ -1,0 +1,86 @@
+"""Serve a converted model with vLLM (the hfcompress plugin) and compare with the remote code's reference
+(tests/vllm/reference.py). Runs in .venv-vllm: `python tests/vllm/serve_check.py MODEL_DIR REFERENCE.json RESULT.json`.
+
+Engine: fp32, chunked prefill with a small token budget (long prompts are prefilled in several chunks), prefix caching,
+16 concurrent sequences. The prompts are served in two calls: the first 8, then all 32, so the second call's prompts that
+repeat a prompt or its prefix are prefix-cache hits (counted from vLLM's num_cached_tokens).
+Writes RESULT.json: tokens equal (count), max |delta logprob|, cached prompt tokens, KV layout, vLLM's KV capacity.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def engine(model_dir: str, max_model_len: int, chunk: int = 64):
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+
+    return LLM(
+        model=model_dir, dtype="float32", enforce_eager=True, enable_chunked_prefill=True, enable_prefix_caching=True,
+        max_num_batched_tokens=chunk, max_num_seqs=16, block_size=32, max_model_len=max_model_len, seed=0,
+    )  # fmt: skip
+
+
+def main(model_dir: str, reference_path: str, result_path: str) -> None:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    reference = json.loads(open(reference_path).read())
+    prompts, tokens, logprobs = reference["prompts"], reference["tokens"], reference["logprobs"]
+    llm = engine(model_dir, max(len(p) for p in prompts) + 16)
+    params = SamplingParams(temperature=0.0, max_tokens=len(tokens[0]), logprobs=1, ignore_eos=True)
+    first = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:8]], params, use_tqdm=False)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    equal, max_delta, cached = 0, 0.0, 0
+    mismatches = []
+    for i, out in enumerate([*first, *outputs]):
+        j = i if i < len(first) else i - len(first)
+        completion = out.outputs[0]
+        got = list(completion.token_ids)
+        if got == tokens[j]:
+            equal += 1
+        else:
+            mismatches.append({"prompt": j, "got": got, "want": tokens[j]})
+        for step, (token, want) in enumerate(zip(got, logprobs[j])):
+            if token != tokens[j][step]:
+                break
+            max_delta = max(max_delta, abs(completion.logprobs[step][token].logprob - want))
+        cached += out.num_cached_tokens or 0
+    result = {
+        "sequences": len(first) + len(outputs),
+        "tokens_equal": equal,
+        "max_abs_delta_logprob": max_delta,
+        "cached_prompt_tokens": cached,
+        "mismatches": mismatches[:3],
+        "kv_capacity_tokens": kv_capacity(llm.llm_engine),
+        "kv_layout": layout(llm.llm_engine, model_dir),
+    }
+    with open(result_path, "w") as handle:
+        json.dump(result, handle)
+
+
+def kv_capacity(engine) -> int | None:
+    """Tokens the KV cache holds, as vLLM computed it (blocks x block size)."""
+    try:
+        config = engine.vllm_config.cache_config
+        return int(config.num_gpu_blocks * config.block_size)
+    except Exception:  # noqa: BLE001 - the engine core runs in another process on some versions
+        return None
+
+
+def layout(llm_engine, model_dir: str) -> dict:
+    from hfcompress.vllm_plugin.model import kv_layout
+
+    config = llm_engine.vllm_config.model_config.hf_config
+    return {str(k): v for k, v in kv_layout(config, model_dir).items()} if hasattr(config, "lisa_layers") else {}
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--capacity":  # the same engine, nothing served: {"kv_capacity_tokens": N} on the last line
+        llm = engine(sys.argv[2], 316)
+        print(json.dumps({"kv_capacity_tokens": kv_capacity(llm.llm_engine)}), flush=True)
+    else:
+        main(*sys.argv[1:4])

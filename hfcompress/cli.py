@@ -11,17 +11,23 @@ from .distill import DEFAULT_TOKENS, DistillOptions
 from .errors import WRITE_FAILED_EXIT, HfcompressError, redact
 from .fasc import DEFAULT_TARGETS, METHODS, FascOptions
 from .lisa import DEFAULT_SHARE_RATIO, LisaOptions
+from .families import FAMILIES
 from .source import BUILTIN_SOURCE
 
+# the supported families, named from the one registry (families/__init__.py)
+_TITLES = [family.title for family in FAMILIES.values()]
+FAMILY_TITLES = ", ".join(_TITLES[:-1]) + " and " + _TITLES[-1]
+
 app = typer.Typer(
-    help="Convert Llama, Mistral, Qwen2 and Qwen3 models (LISA attention sharing + FASC low-rank), validate, push.",
+    help=f"Convert {FAMILY_TITLES} models (LISA attention sharing + FASC low-rank), validate, push.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    rich_markup_mode=None,  # click's plain help: option names in full and their help beside them, at any width
 )
 
 INTERRUPTED_EXIT = 130
-TEXT_HELP = "FILE (UTF-8), 'builtin' (Python language reference, offline), 'wiki' (106 Wikipedia articles, offline), 'wikitext-2' or hf:OWNER/NAME[:CONFIG] (Hub, via datasets) or 'auto'"
+TEXT_HELP = "auto, mix, wiki, builtin, wikitext-2, hf:OWNER/NAME[:CONFIG] or a UTF-8 FILE (README: Calibration and evaluation text)"
 
 
 def _run(action) -> None:
@@ -38,11 +44,16 @@ def _run(action) -> None:
         console.print("[bold red]interrupted:[/] nothing was written; rerun the same command to resume from the cache.")
         raise typer.Exit(INTERRUPTED_EXIT) from None
     except (OSError, MemoryError, RuntimeError) as err:
-        if os.environ.get("HFCOMPRESS_TRACEBACK") or not (isinstance(err, (OSError, MemoryError)) or _out_of_memory(err)):
+        if os.environ.get("HFCOMPRESS_TRACEBACK") or not (
+            isinstance(err, (OSError, MemoryError)) or _out_of_memory(err) or _torch_write_failed(err)
+        ):
             raise
+        if _torch_write_failed(err):  # torch.save reports a short write (full disk, file size limit) as RuntimeError
+            _fail(console, f"A cache file could not be written completely (torch: {_last_line(err)}): the disk is full "
+                           f"or a file size limit was reached; {UNFINISHED}: free space, then {RERUN}.", WRITE_FAILED_EXIT)
         if isinstance(err, OSError):
             where = f" ({err.filename})" if err.filename else ""
-            disk = err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS)
+            disk = err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS, errno.EFBIG)
             _fail(console, redact(f"{err.strerror or err}{where}; {UNFINISHED}: check free space and permissions, then {RERUN}."),
                   WRITE_FAILED_EXIT if disk else 1)
         _fail(console, f"Out of memory; {UNFINISHED}: give fewer --calib-sequences or a smaller --distill-batch-size, or "
@@ -51,6 +62,17 @@ def _run(action) -> None:
 
 UNFINISHED = "the output was not completed"
 RERUN = "rerun the same command, which resumes from the cache (HFCOMPRESS_TRACEBACK=1 shows where it failed)"
+
+
+def _torch_write_failed(err: BaseException) -> bool:
+    """torch's zip writer failing on a write the system refused (its C++ checks, not an OSError)."""
+    text = str(err)
+    return isinstance(err, RuntimeError) and ("PytorchStreamWriter" in text or "inline_container.cc" in text)
+
+
+def _last_line(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return (lines[-1] if lines else type(err).__name__)[:160]
 
 
 def _out_of_memory(err: RuntimeError) -> bool:
@@ -75,26 +97,29 @@ def _layers(value: str | None) -> list[int] | None:
 
 
 @app.command(
+    short_help="Convert a model to LISA (and FASC), validate it, write it, push it.",
     epilog=(
-        "Examples:\n\n"
-        f"  hfcompress convert {BUILTIN_SOURCE} --out smollm2-lisa      # built-in model, offline\n\n"
-        "  hfcompress convert HuggingFaceTB/SmolLM2-135M --push-to me/smollm2-lisa\n\n"
-        "  hfcompress convert ./my-llama --share-ratio 0.3 --fasc-budget 0.8 --out my-llama-lisa\n\n"
-        "  hfcompress convert model.gguf --lisa-layers 10,12,14 --max-ppl-increase 5"
-    )
+        "\b\nExamples:\n"  # \b: click keeps these lines as they are
+        f"  hfcompress convert {BUILTIN_SOURCE} --out smollm2-lisa  # built in\n"
+        "  hfcompress convert HuggingFaceTB/SmolLM2-135M --push-to me/smollm2-lisa\n"
+        "  hfcompress convert ./my-llama --share-ratio 0.3 --fasc-budget 0.8 \\\n"
+        "      --out my-llama-lisa\n"
+        "  hfcompress convert model.gguf --lisa-layers 10,12,14 --max-ppl-increase 5\n\n"
+        "Every option, failure and exit code: README.md (Commands; Failures, exit codes and safety)."
+    ),
 )
 def convert(
     source: str = typer.Argument(
         BUILTIN_SOURCE, help=f"Hub id (user/model), local model directory, .gguf file, or '{BUILTIN_SOURCE}' (built in)."
     ),
-    out: Path = typer.Option(None, "--out", "-o", help="Output directory (default: ./<source name>-lisa)."),
+    out: Path = typer.Option(None, "--out", "-o", help="Output directory (default: ./NAME-lisa); never the source's."),
     push_to: str = typer.Option(None, "--push-to", help="Hub repo to create/update with the converted model."),
     private: bool = typer.Option(False, "--private", help="Create the pushed repo as private."),
     revision: str = typer.Option(None, "--revision", help="Branch, tag or commit of a Hub source (default: main)."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an earlier hfcompress output at --out."),
     force: bool = typer.Option(False, "--force", help="Push even when the perplexity gate failed."),
     trust_remote_code: bool = typer.Option(
-        False, help="Accept a source that declares custom code (auto_map) if it loads as a supported family (or as a Llama); its code is never run."
+        False, "--trust-remote-code", help="Accept a source that declares custom code (auto_map); its code is never run."
     ),
     max_ppl_increase: float = typer.Option(10.0, help="Quality gate: largest allowed perplexity increase, in percent."),
     share_ratio: float = typer.Option(
@@ -102,20 +127,20 @@ def convert(
     ),
     lisa_layers: str = typer.Option(None, help="Explicit comma-separated layers to share (instead of --share-ratio)."),
     lisa_ppl_budget: float = typer.Option(
-        None, help="Share as many layers as keep perplexity within +PCT (searched, ~log2(layers) fits; instead of --share-ratio)."
+        None, help="Share as many layers as keep perplexity within +PCT (a search; instead of --share-ratio)."
     ),
     protect_first: int = typer.Option(LisaOptions.protect_first, help="Number of shallow layers never shared."),
     lisa_max_chain: int = typer.Option(
-        LisaOptions.max_chain, help="At most this many consecutive shared layers (--share-ratio and --lisa-ppl-budget choices; default: no cap)."
+        LisaOptions.max_chain, help="At most this many consecutive shared layers (default: no cap)."
     ),
     qk_compression: float = typer.Option(LisaOptions.qk_compression, help="Shared layers' Q/K parameters are at least this many times smaller."),
     lisa_align: str = typer.Option(
-        LisaOptions.align, help="Head alignment: dense (head mix + FFN), sparse (one scaled head: SDPA fast path), identity (none)."
+        LisaOptions.align, help="Head alignment: dense, sparse (SDPA fast path) or identity."
     ),
     align_hidden: int = typer.Option(LisaOptions.align_hidden, help="Width of the dense alignment FFN (0 = linear head mix only)."),
     lowrank: bool = typer.Option(True, "--lowrank/--no-lowrank", help="Low-rank Q/K correction in shared layers."),
     lisa_lowrank_keys: str = typer.Option(
-        LisaOptions.lowrank_keys, help="Low-rank keys of a shared layer: one per head, or one per KV group (GQA: a smaller K cache, and a higher rank at the same --qk-compression)."
+        LisaOptions.lowrank_keys, help="Low-rank keys of a shared layer: one per head, or per KV group."
     ),
     lisa_steps: int = typer.Option(LisaOptions.steps, help="Adam steps of each shared layer's local fit."),
     lisa_batch_size: int = typer.Option(LisaOptions.batch_size, help="Calibration sequences per step of a shared layer's local fit."),
@@ -126,40 +151,40 @@ def convert(
         None, help="FASC: linears whose rho (activation-gradient dependence) exceeds this stay dense (default: none)."
     ),
     distill_tokens: int = typer.Option(
-        None, help=f"Distillation: train every new parameter end to end (KL to the original) on this many calibration-text tokens (default: {DEFAULT_TOKENS} when the whole model fits; 0 = off)."
+        None, help=f"Distillation tokens (KL to the original; default {DEFAULT_TOKENS} when the model fits; 0 = off)."
     ),
     distill_seq_len: int = typer.Option(DistillOptions.seq_len, help="Distillation: tokens per training window."),
     distill_batch_size: int = typer.Option(DistillOptions.batch_size, help="Distillation: windows per step."),
-    distill_lr: float = typer.Option(DistillOptions.lr, help="Distillation: AdamW learning rate of LISA's new modules (cosine decay, 5% warm-up)."),
+    distill_lr: float = typer.Option(DistillOptions.lr, help="Distillation: learning rate of LISA's new modules."),
     distill_weight_lr: float = typer.Option(DistillOptions.weight_lr, help="Distillation: learning rate of FASC factors and LoRA adapters."),
     distill_lora_rank: int = typer.Option(
-        DistillOptions.lora_rank, help="Distillation: also train LoRA adapters of this rank on the unchanged linears, merged before saving (0 = off)."
+        DistillOptions.lora_rank, help="Distillation: LoRA rank on the unchanged linears, merged (0 = off)."
     ),
     distill_curve_tokens: int = typer.Option(
         DistillOptions.curve_tokens, help="Distillation: evaluation tokens per text at each learning-curve point."
     ),
     distill_data: str = typer.Option(
-        DistillOptions.data, help="Distillation windows: calibration (the calibration text), generated (text the original model samples itself from random first tokens: no particular domain) or mixed (both, alternating steps)."
+        DistillOptions.data, help="Distillation windows: calibration (text), generated (by the original) or mixed."
     ),
     distill_gradient_checkpointing: bool = typer.Option(
-        False, help="Distillation: recompute activations in the backward pass (less memory for long windows or big models, one more forward per step)."
+        False, "--distill-gradient-checkpointing", help="Distillation: recompute activations (less memory, slower)."
     ),
-    calib_text: str = typer.Option("auto", help=f"Calibration text: {TEXT_HELP}; wikitext-2 reads its train split; auto: wikitext-2 when the Hub answers, else wiki."),
-    eval_text: str = typer.Option("auto", help=f"Perplexity text: {TEXT_HELP}; wikitext-2 reads its test split; auto: wikitext-2 when the Hub answers, else the held-out last 25% of the calibration text."),
+    calib_text: str = typer.Option("auto", help=f"Calibration text: {TEXT_HELP}."),
+    eval_text: str = typer.Option("auto", help=f"Perplexity text (held out): {TEXT_HELP}."),
     ood_text: str = typer.Option(
-        "auto", help="Second perplexity text, of another domain than calibration, scored whole and gated too: news (300 ABC news articles; auto picks it when installed), FILE, builtin, wiki, wikitext-2 or none."
+        "auto", help="Second gated perplexity text, of another domain: auto, numpy-docs, news, usenet, FILE, ... or none."
     ),
     calib_sequences: int = typer.Option(16, help="Number of calibration sequences."),
     seq_len: int = typer.Option(256, help="Calibration sequence length in tokens."),
     eval_tokens: int = typer.Option(4096, help="Tokens of held-out text scored for perplexity."),
     seed: int = typer.Option(0, help="Random seed (fitting and probes)."),
-    probe: bool = typer.Option(None, "--probe/--no-probe", help="Factual-recall probe on both models (default: when the model fits in memory)."),
-    speed: bool = typer.Option(None, "--speed/--no-speed", help="Prefill/decode tokens/s of both models side by side (default: when the model fits)."),
-    dtype: str = typer.Option("auto", help="Saved weights: auto (the source's dtype; bfloat16 for GGUF), float32, bfloat16, float16."),
-    device: str = typer.Option("auto", help="Where layers are computed: auto (the first CUDA device, else CPU), cpu, cuda, cuda:N."),
+    probe: bool = typer.Option(None, "--probe/--no-probe", help="Factual-recall probe of both models (default: when they fit)."),
+    speed: bool = typer.Option(None, "--speed/--no-speed", help="Tokens/s of both models side by side (default: when they fit)."),
+    dtype: str = typer.Option("auto", help="Saved weights: auto (the source's), float32, bfloat16, float16."),
+    device: str = typer.Option("auto", help="Where layers are computed: auto, cpu, cuda or cuda:N."),
     max_shard_size: str = typer.Option("2GB", help="Largest output safetensors shard, e.g. 2GB or 500MB."),
     licence_file: list[Path] = typer.Option(
-        None, "--licence-file", help="A licence or terms file to ship with the model besides the source's own (repeatable), e.g. the Gemma Terms of Use for a GGUF that came without them."
+        None, "--licence-file", help="A licence or terms file to ship too (repeatable)."
     ),
     layer_by_layer: bool = typer.Option(
         False, "--layer-by-layer", hidden=True, help="No effect: every conversion streams layer by layer."
@@ -238,7 +263,8 @@ def convert(
 
 
 @app.command(
-    epilog=f"Example:\n\n  hfcompress analyze {BUILTIN_SOURCE} --plot similarity.png --json analysis.json"
+    short_help="Per-layer attention similarity (LISA) and rho (FASC) of a model.",
+    epilog=f"\b\nExample:\n  hfcompress analyze {BUILTIN_SOURCE} --plot similarity.png --json analysis.json",
 )
 def analyze(
     source: str = typer.Argument(BUILTIN_SOURCE, help="Same SOURCE forms as `convert`."),
@@ -253,7 +279,7 @@ def analyze(
     revision: str = typer.Option(None, help="Branch, tag or commit of a Hub source."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
     trust_remote_code: bool = typer.Option(
-        False, help="Accept a source that declares custom code (auto_map) if it loads as a supported family (or as a Llama); its code is never run."
+        False, "--trust-remote-code", help="Accept a source that declares custom code (auto_map); its code is never run."
     ),
 ) -> None:
     """Measure per-layer attention similarity (LISA) and optionally rho (FASC); cached for `convert`."""
@@ -272,7 +298,11 @@ def analyze(
     _run(action)
 
 
-@app.command("eval", epilog=f"Example:\n\n  hfcompress eval smollm2-lisa --baseline {BUILTIN_SOURCE} --json eval.json")
+@app.command(
+    "eval",
+    short_help="Perplexity, recall, speed and lm-eval tasks of a converted model.",
+    epilog=f"\b\nExample:\n  hfcompress eval smollm2-lisa --baseline {BUILTIN_SOURCE} --json eval.json",
+)
 def evaluate(
     model: str = typer.Argument(..., help="A converted model: hfcompress output directory or Hub id."),
     baseline: str = typer.Option(None, help="Original model to measure beside it (any SOURCE form of `convert`)."),
@@ -312,7 +342,7 @@ def evaluate(
     _run(action)
 
 
-@app.command()
+@app.command(short_help="Push a finished output directory to the Hub in one commit.")
 def push(
     directory: Path = typer.Argument(..., help="A directory written by `hfcompress convert`."),
     repo_id: str = typer.Argument(..., help="Hub repo to create/update, e.g. me/model-lisa."),

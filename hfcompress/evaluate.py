@@ -13,7 +13,7 @@ from .harness import LmEvalOptions, run_lm_eval
 from .probe import run_probe
 from .progress import console
 from .report import REPORT_FILE
-from .source import BUILTIN_SOURCE, ResolvedSource, load_source, resolve_source
+from .source import BUILTIN_SOURCE, ResolvedSource, _first_line, load_source, looks_like_repo_id, resolve_source
 from .speed import compare_speed
 from .text import check_text_option, evaluation_ids, load_text, other_domain_ids, window_prefix
 from .validate import perplexity
@@ -23,18 +23,46 @@ def load_converted(model: str, trust_remote_code: bool):
     """A converted model (directory or Hub id) through AutoModelForCausalLM, as users load it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = Path(model)
-    ours = (path / "hfcompress_report.json").is_file()
-    if not (ours or trust_remote_code):
-        raise HfcompressError(
-            f"{model} is not a local hfcompress output; pass --trust-remote-code to run the code it ships."
-        )
+    check_model_argument(model, trust_remote_code)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=True)
         loaded = AutoModelForCausalLM.from_pretrained(model, trust_remote_code=True, dtype=torch.float32)
-    except OSError as err:
-        raise HfcompressError(f"Cannot load {model}: {err}".splitlines()[0]) from err
+    except Exception as err:  # huggingface_hub, transformers and the remote code raise many types
+        raise HfcompressError(
+            f"Cannot load {model} ({type(err).__name__}: {_first_line(err)}): pass a directory written by "
+            "`hfcompress convert` or the Hub id it was pushed to."
+        ) from err
     return loaded.eval(), tokenizer
+
+
+def check_model_argument(model: str, trust_remote_code: bool) -> None:
+    """Refuse, before any model loads, a MODEL that is missing, a file, a directory that holds no model, or a
+    directory or Hub id that is not an hfcompress output when --trust-remote-code is not given."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if (path / REPORT_FILE).is_file():
+            return
+        if not (path / "config.json").is_file():
+            raise HfcompressError(
+                f"{model} holds no model (no config.json): pass a directory written by `hfcompress convert`."
+            )
+        if not trust_remote_code:
+            raise HfcompressError(
+                f"{model} is not an hfcompress output (no {REPORT_FILE}): pass a directory written by `hfcompress "
+                "convert`, or add --trust-remote-code to run the modeling code this one ships."
+            )
+        return
+    if path.exists():
+        raise HfcompressError(f"{model} is a file: pass a directory written by `hfcompress convert`.")
+    if not looks_like_repo_id(model):
+        raise HfcompressError(
+            f"{model} does not exist: pass a directory written by `hfcompress convert`, or a Hub id (user/name)."
+        )
+    if not trust_remote_code:
+        raise HfcompressError(
+            f"{model} is not a local directory; as a Hub id it runs the modeling code its repo ships: add "
+            "--trust-remote-code to allow that."
+        )
 
 
 def evaluate(
@@ -52,6 +80,7 @@ def evaluate(
     command: str = "",
 ) -> dict:
     models = {}
+    check_model_argument(model_name, trust_remote_code)  # a missing or plain directory: before anything loads
     check_text_option(eval_text, "evaluation")  # a bad text option fails before any model loads
     check_text_option(ood_text, "other-domain")
     report_path = Path(model_name) / REPORT_FILE

@@ -23,7 +23,7 @@ import shlex
 import shutil
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +48,7 @@ from .errors import GATE_FAILED_EXIT, HfcompressError
 from .memory import peak_memory, return_freed_memory
 from .methods import LayerContext, Method, Planner
 from .plots import write_plots
+from .preflight import check_output, check_push_target, check_run_disk, check_source, output_lock
 from .progress import console, progress_bar
 from .push import push_folder, require_token
 from .registry import build_methods
@@ -205,19 +206,27 @@ class Run:
 
 
 # ----------------------------------------------------------------------------------------------------- passes
+def reused(done: int, total: int, what: str, where: Path) -> None:
+    """A resumed step says what it took from the cache instead of recomputing."""
+    if done:
+        rest = "all of them" if done == total else f"computing the other {total - done}"
+        console.log(f"{what} of {done} of {total} layers reused from the cache ({where}); {rest}", highlight=False)
+
+
 def forward_pass(run: Run, methods: list[Method]) -> None:
     """Saves every layer's input hidden states while the methods observe each layer; resumes at the first layer
     that some process or some method has not finished."""
     stream, processes = run.stream, run.processes
     marks = [[run.hidden_dir / f"forward-{idx}.done"] + [run.process_dir(m.store) / f"observed-{idx}.done" for m in methods] for idx in range(stream.num_layers)]
     start = processes.agreed_minimum(next((i for i, group in enumerate(marks) if not all(m.is_file() for m in group)), len(marks)))
+    reused(start, stream.num_layers, "calibrate: forward: hidden states and statistics", run.calib_dir)
     if start == stream.num_layers:
         return
     hidden = stream.embed([run.sequences])[0] if start == 0 else run.hidden(start)
     if start == 0:
         save_atomic(hidden, run.hidden_dir / "hidden-0.pt")
     with torch.no_grad():
-        for idx in progress_bar(range(start, stream.num_layers), "calibrate: forward, layer by layer", total=stream.num_layers - start):
+        for idx in progress_bar(range(start, stream.num_layers), "calibrate: forward, layer by layer", total=stream.num_layers, done=start):
             layer = stream.original_layer(idx)
             ctx = run.context(idx, layer, hidden)
             for method in methods:
@@ -251,6 +260,7 @@ def backward_pass(run: Run, methods: list[Method]) -> None:
     grads_dir = run.process_dir(run.calib_dir / f"backward-{cache_key([m.store.name for m in methods])}")  # per stat set
     order = list(reversed(range(stream.num_layers)))
     done = processes.agreed_minimum(next((i for i, idx in enumerate(order) if not (grads_dir / f"grad-{idx}.pt").is_file()), len(order)))
+    reused(done, len(order), "calibrate: backward: gradient statistics", run.calib_dir)
     if done == len(order):
         return
     if done == 0:  # d(summed loss)/d(final hidden state), one sequence at a time (logits are T x vocab)
@@ -264,7 +274,7 @@ def backward_pass(run: Run, methods: list[Method]) -> None:
         del norm, lm_head
     else:
         grad = torch.load(grads_dir / f"grad-{order[done - 1]}.pt")
-    for idx in progress_bar(order[done:], "calibrate: gradient statistics, layer by layer", total=len(order) - done):
+    for idx in progress_bar(order[done:], "calibrate: gradient statistics, layer by layer", total=len(order), done=done):
         layer = stream.original_layer(idx)
         hidden = run.hidden(idx)
         ctx = run.context(idx, layer, hidden)
@@ -313,8 +323,9 @@ def convert_pass(run: Run, methods: list[Method], evaluations: list[Evaluation],
         start, evaluations = saved["next"], saved["evaluations"]
         for method in methods:
             method.restore(saved["methods"][method.name])
+        reused(start, stream.num_layers, "convert: converted layers", work)
     label = "convert: layer by layer" if work is not None else "plan: score a candidate, layer by layer"
-    for idx in progress_bar(range(start, stream.num_layers), label, total=stream.num_layers - start):
+    for idx in progress_bar(range(start, stream.num_layers), label, total=stream.num_layers, done=start):
         state = stream.original_state(idx)
         layer = stream.build(stream.config, idx, state)
         hidden = run.hidden(idx) if any(m.touches(idx) for m in methods) else None
@@ -405,6 +416,7 @@ def fetch(run: Run, methods: list[Method], token: str | None = None) -> Fetched:
     """Step 1: resolve and check the source, tokenise the texts, set up the stream and the methods' cache."""
     options, processes = run.options, run.processes
     source = resolve_source(options.source, options.revision, token, options.trust_remote_code)
+    check_source(options, source)  # sequence lengths vs. the context, disk for a GGUF's dequantising: before both
     tokenizer = load_tokenizer(source)
     checkpoint, source_config = open_checkpoint(source, options.cache_dir)
     options.check_against_model(source_config)
@@ -437,19 +449,30 @@ def calibrate(run: Run, methods: list[Method]) -> None:
 
 
 def convert(options: ConvertOptions, argv: list[str] | None = None) -> Report:
-    """Run the whole conversion; returns the report. Raises HfcompressError on bad input or a failed gate push."""
+    """Run the whole conversion; returns the report. Raises HfcompressError on bad input or a failed gate push.
+    What needs no model is checked first (preflight.py: --out against the source and caches, writable), and the main
+    process holds --out's lock until the end, push included: a second run into the same --out is refused at once."""
     options.validate()
+    out_dir = check_output(options)
+    with output_lock(out_dir) if Processes().is_main else nullcontext():
+        return _convert(options, argv)
+
+
+def _convert(options: ConvertOptions, argv: list[str] | None) -> Report:
     return_freed_memory()
     run = Run(options, argv)
     processes = run.processes
     token = require_token() if options.push_to and processes.is_main else None  # before an hour of work, not after
     out_dir = refuse_existing_output(Path(options.out).expanduser().resolve(), options.overwrite)
+    if token:
+        check_push_target(options.push_to, token, out_dir)  # reachable, token valid and can write: before the work
     torch.manual_seed(options.seed)
     methods, finishers = build_methods(options)
     active = [m for m in methods if m.active()]
 
     with run.step("fetch"):
         fetched = fetch(run, methods, token)
+    check_run_disk(run, active, out_dir)  # free space for what the run will still write, before calibration
     source, tokenizer, checkpoint, source_config = fetched.source, fetched.tokenizer, fetched.checkpoint, fetched.source_config
     streams = fetched.streams
     sequences, selection_ids, texts = streams.sequences, streams.selection_ids, streams.evaluations
@@ -533,7 +556,10 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> Report:
         report.parameters = {"original": count_parameters(original_sizes), "converted": count_parameters(sizes)}
         config.save_pretrained(directory)
         generation = Path(source.path) / "generation_config.json"
-        save_companion_files(tokenizer, GenerationConfig.from_pretrained(source.path) if generation.is_file() else None, directory)
+        generation_config = (  # a GGUF or a directory without one: the config's special tokens, as transformers does
+            GenerationConfig.from_pretrained(source.path) if generation.is_file() else GenerationConfig.from_model_config(source_config)
+        )
+        save_companion_files(tokenizer, generation_config, directory)
         with run.step("validate: fresh-process reload"):
             report.validation.reload = verify_written(directory, probe_ids, expected_logits, 4 * sum(sizes.values()))
         report.plots = write_plots(report.to_dict(), directory / "plots")
@@ -546,7 +572,12 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> Report:
     with run.step("write"):
         out_dir = write_output_dir(out_dir, options.overwrite, write)
     shutil.rmtree(work, ignore_errors=True)  # the layer files are in the output now; the calibration cache stays
-    console.log(f"wrote {out_dir}: {gate_message}; peak memory {report.memory['peak_rss_mb']:.0f} MB")
+    if report.parameters["converted"]["total"] == report.parameters["original"]["total"]:  # not "+0.00%" as if it had
+        console.log(f"wrote {out_dir}: nothing was converted (no layer was shared or factorised), so it computes what "
+                    "the source does: " + "; ".join(f"perplexity on {row['eval_text'].split(' (')[0]} "
+                                                    f"{row['converted']['perplexity']:.3f}" for row in gate_rows), highlight=False)
+    else:
+        console.log(f"wrote {out_dir}: {gate_message}; peak memory {report.memory['peak_rss_mb']:.0f} MB")
     return publish(report, options, out_dir, token, run)
 
 

@@ -1,5 +1,6 @@
 """PNG plots that go into the converted repo and its card (matplotlib, no display needed)."""
 
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -18,7 +19,7 @@ def similarity_heatmap(similarity: list[dict], shared: list[int], path: Path) ->
         ax.axvline(layer, color="red", alpha=0.35, linewidth=3)
     ax.set_xlabel("layer (red: shared with LISA)")
     ax.set_ylabel("head")
-    ax.set_title("Attention JS divergence to the best-matched head of the previous layer")
+    ax.set_title("Attention JS divergence to the best-matched head of the previous layer", fontsize=9)
     fig.colorbar(image, ax=ax, label="JS divergence (nats)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -34,7 +35,7 @@ def fasc_ranks_and_rho(layers: list[dict], path: Path) -> Path:
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(6, 0.12 * len(names) + 2), 5), sharex=True)
     top.bar(range(len(names)), kept, color="tab:blue")
     top.set_ylabel("params kept")
-    top.set_title("FASC: parameters kept per linear (1 = dense) and dependence-violation score rho")
+    top.set_title("FASC: parameters kept per linear (1 = dense) and dependence-violation score rho", fontsize=9)
     bottom.bar(range(len(names)), rho, color="tab:orange")
     bottom.set_ylabel("rho")
     bottom.set_xticks(range(len(names)), names, rotation=90, fontsize=6)
@@ -44,12 +45,30 @@ def fasc_ranks_and_rho(layers: list[dict], path: Path) -> Path:
     return path
 
 
-def perplexity_bars(original: float, converted: float, path: Path) -> Path:
-    fig, ax = plt.subplots(figsize=(4, 3))
-    ax.bar(["original", "converted"], [original, converted], color=["tab:gray", "tab:green"])
-    for x, value in enumerate((original, converted)):
-        ax.text(x, value, f"{value:.2f}", ha="center", va="bottom")
-    ax.set_ylabel("perplexity (held-out)")
+def _short(text: str, width: int = 28) -> str:
+    """A text's name for a tick label: without its description in brackets, wrapped to `width` characters."""
+    return "\n".join(textwrap.wrap(text.split(" (")[0], width)) or text
+
+
+def perplexity_bars(rows: list[dict], limit: float | None, path: Path) -> Path:
+    """Original and converted perplexity on every gated text, side by side, each pair labelled with its text and the
+    change (the gate applies to each)."""
+    fig, ax = plt.subplots(figsize=(max(4.5, 2.6 * len(rows) + 1.2), 3.6))
+    width = 0.38
+    for i, row in enumerate(rows):
+        values = (row["original"]["perplexity"], row["converted"]["perplexity"])
+        for offset, value, colour, label in ((-width / 2, values[0], "tab:gray", "original"), (width / 2, values[1], "tab:green", "converted")):
+            ax.bar(i + offset, value, width, color=colour, label=label if i == 0 else None)
+            ax.annotate(f"{value:.2f}", (i + offset, value), ha="center", va="bottom", fontsize=8,
+                        xytext=(0, 2), textcoords="offset points")
+        ax.annotate(f"{row['perplexity_increase_pct']:+.2f}%", (i, max(values)), ha="center", va="bottom", fontsize=9,
+                    xytext=(0, 14), textcoords="offset points", weight="bold")
+    ax.set_xticks(range(len(rows)), [_short(row["eval_text"]) for row in rows], fontsize=8)
+    ax.set_ylabel("perplexity (held-out tokens)")
+    ax.set_ylim(0, max(max(r["original"]["perplexity"], r["converted"]["perplexity"]) for r in rows) * 1.3)
+    gate = f" (gate: at most +{limit:g}% on each)" if limit is not None else ""
+    ax.set_title(f"Perplexity on every gated text{gate}", fontsize=9)
+    ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -77,15 +96,20 @@ def learning_curve(record: dict, path: Path) -> Path:
     """Distillation: KL per token against tokens trained, and perplexity on every evaluation text at the curve points."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.2))
     kl = record["kl"]
-    left.plot([row["tokens"] for row in kl], [row["kl"] for row in kl], color="tab:blue")
+    # markers: a short run has one KL point, which a line alone does not draw
+    left.plot([row["tokens"] for row in kl], [row["kl"] for row in kl], color="tab:blue", marker="o", markersize=4)
+    left.set_xlim(0, max(row["tokens"] for row in kl) * 1.08)  # the same origin as the perplexity panel
     left.set_xlabel("tokens trained")
-    left.set_ylabel("KL(original || converted) per token")
-    left.set_yscale("log")
+    left.set_ylabel("KL(original || converted)\nper token")
+    if all(row["kl"] > 0 for row in kl):
+        left.set_yscale("log")
+    left.set_title("training loss", fontsize=8)
     points = record["perplexity"]
     for text in [k for k in points[0] if k != "tokens"]:
-        right.plot([p["tokens"] for p in points], [p[text] for p in points], marker="o", label=text.split(" (")[0])
+        right.plot([p["tokens"] for p in points], [p[text] for p in points], marker="o", label=_short(text, 40))
     right.set_xlabel("tokens trained")
-    right.set_ylabel(f"perplexity ({record['curve_tokens']} tokens)")
+    right.set_ylabel(f"perplexity\n({record['curve_tokens']} tokens per text)")
+    right.set_title("held-out perplexity", fontsize=8)
     right.legend(fontsize=7)
     fig.suptitle("Distillation learning curve", fontsize=9)
     fig.tight_layout()
@@ -106,7 +130,11 @@ def write_plots(report: dict, directory: Path) -> dict[str, str]:
         fasc_ranks_and_rho(fasc["layers"], directory / "fasc.png")
         plots["fasc"] = "plots/fasc.png"
     validation = report["validation"]
-    perplexity_bars(validation["original"]["perplexity"], validation["converted"]["perplexity"], directory / "perplexity.png")
+    rows = validation.get("texts") or [{
+        "eval_text": validation.get("eval_text") or "held-out text", "original": validation["original"],
+        "converted": validation["converted"], "perplexity_increase_pct": validation["perplexity_increase_pct"],
+    }]
+    perplexity_bars(rows, validation.get("max_ppl_increase_pct"), directory / "perplexity.png")
     plots["perplexity"] = "plots/perplexity.png"
     distill = (report.get("finishers") or {}).get("distillation")
     if distill and distill["kl"]:

@@ -1,5 +1,14 @@
-"""Progress bars for every long step (rich, on stderr so stdout stays machine-readable)."""
+"""Progress of every long step, on stderr so stdout stays machine-readable.
 
+On a terminal: rich progress bars. Anywhere else (a file, a pipe, a CI log): plain lines a person can follow, with
+the count, the percentage, the time spent and an estimate of the time left, e.g.
+`[12:01:07] convert: layer by layer 12/30 (40%), 1:02 elapsed, about 1:33 left`. Steps of up to PER_ITEM_LINES items
+(layers) get a line each, longer ones a line per tenth, at most one a second and at least one every PLAIN_INTERVAL
+seconds; a step that takes under a second prints its final count only.
+"""
+
+import os
+import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
@@ -8,10 +17,64 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 T = TypeVar("T")
-console = Console(stderr=True)
+console = Console(stderr=True, log_path=False)  # no "pipeline.py:161" on every line
+PER_ITEM_LINES = 64
+PLAIN_INTERVAL = float(os.environ.get("HFCOMPRESS_PROGRESS_INTERVAL", "30"))
 
 
-def progress_bar(items: Iterable[T], description: str, total: int | None = None) -> Iterator[T]:
+def duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+class PlainProgress:
+    """Progress as log lines: `update(done)` prints when a line is due (see the module docstring)."""
+
+    def __init__(self, description: str, total: int | None, done: int = 0, unit: str = "", per_item: bool = True) -> None:
+        self.description, self.total, self.unit = description, total, unit
+        self.start_done = self.last_done = done
+        self.started = self.last_time = time.perf_counter()
+        self.per_item = per_item and total is not None and total <= PER_ITEM_LINES
+
+    def due(self, done: int, now: float) -> bool:
+        """The last item; otherwise at most a line a second: every item (layers) or every tenth; and at least one
+        line every PLAIN_INTERVAL seconds. A quick step prints its final line only."""
+        since = now - self.last_time
+        if self.total is None:
+            return since >= PLAIN_INTERVAL
+        if done >= self.total or since >= PLAIN_INTERVAL:
+            return True
+        return since >= 1.0 and (self.per_item or 10 * done // self.total > 10 * self.last_done // self.total)
+
+    def update(self, done: int, extra: str = "") -> None:
+        now = time.perf_counter()
+        if not self.due(done, now):
+            return
+        self.last_done, self.last_time = done, now
+        elapsed = now - self.started
+        if self.total:
+            count = f"{done:,}/{self.total:,}{self.unit} ({100 * done // self.total}%)"
+        else:
+            count = f"{done:,}{self.unit}"
+        timing = f"{duration(elapsed)} elapsed"
+        moved = done - self.start_done
+        if self.total and moved > 0 and done < self.total:
+            timing += f", about {duration(elapsed / moved * (self.total - done))} left"
+        console.log(f"{self.description} {count}{extra}, {timing}", highlight=False)
+
+
+def progress_bar(items: Iterable[T], description: str, total: int | None = None, done: int = 0) -> Iterator[T]:
+    """`items`, counted on a bar (or in log lines); `done` items of the `total` were done before (a resumed step:
+    `items` are the rest, and the count reads 13/30, not 1/18)."""
+    if total is None and hasattr(items, "__len__"):
+        total = done + len(items)  # type: ignore[arg-type]
+    if not console.is_terminal:
+        plain = PlainProgress(description, total, done)
+        for count, item in enumerate(items, start=done + 1):
+            yield item
+            plain.update(count)
+        return
     columns = (
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -19,13 +82,26 @@ def progress_bar(items: Iterable[T], description: str, total: int | None = None)
         TimeElapsedColumn(),
         TimeRemainingColumn(),
     )
-    with Progress(*columns, console=console, transient=False, disable=not console.is_terminal) as progress:
-        yield from progress.track(items, total=total, description=description)
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task(description, total=total, completed=done)
+        for item in items:
+            yield item
+            progress.advance(task)
 
 
 @contextmanager
 def training_bar(total_tokens: int, description: str, done: int = 0) -> Iterator[Callable[..., None]]:
     """A token-count bar showing the last loss, tokens/s and the ETA; yields `advance(tokens, loss=, tokens_per_s=)`."""
+    if not console.is_terminal:
+        plain = PlainProgress(description, total_tokens, done, unit=" tokens", per_item=False)
+        state = {"done": done}
+
+        def advance_plain(tokens: int, loss: float, tokens_per_s: float) -> None:
+            state["done"] += tokens
+            plain.update(state["done"], f", loss {loss:.4f}, {tokens_per_s:,.0f} tok/s")
+
+        yield advance_plain
+        return
     columns = (
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -35,7 +111,7 @@ def training_bar(total_tokens: int, description: str, done: int = 0) -> Iterator
         TimeElapsedColumn(),
         TimeRemainingColumn(),
     )
-    with Progress(*columns, console=console, transient=False, disable=not console.is_terminal) as progress:
+    with Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task(description, total=total_tokens, completed=done, loss=float("nan"), tokens_per_s=0.0)
 
         def advance(tokens: int, loss: float, tokens_per_s: float) -> None:

@@ -24,8 +24,17 @@ def require_token() -> str:
 def check_output_dir(directory: Path, force: bool) -> None:
     """Refuse a directory that is not a finished hfcompress output, or whose quality gate failed (unless force)."""
     report = directory / REPORT_FILE
-    if not (directory / "config.json").is_file() or not report.is_file():
-        raise HfcompressError(f"{directory} is not a complete hfcompress output directory.")
+    if not directory.is_dir():
+        what = "is a file" if directory.exists() else "does not exist"
+        raise HfcompressError(f"{directory} {what}: pass the directory `hfcompress convert --out` wrote.")
+    weights = any(directory.glob("*.safetensors"))
+    missing = [name for name in ("config.json", REPORT_FILE, "README.md") if not (directory / name).is_file()]
+    missing += [] if weights else ["*.safetensors weights"]
+    if missing:
+        raise HfcompressError(
+            f"{directory} is not a finished hfcompress output: it lacks {', '.join(missing)}; pass the directory "
+            "`hfcompress convert --out` wrote (a run that failed or was interrupted writes none)."
+        )
     validation = json.loads(report.read_text()).get("validation", {})
     if not validation.get("gate_passed") and not force:
         raise HfcompressError(

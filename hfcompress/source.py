@@ -18,10 +18,11 @@ anything is dequantised.
 
 import importlib.util
 import json
+import math
 import os
 import struct
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import httpx2  # huggingface_hub's HTTP client library: its TransportError is "no network"
@@ -81,9 +82,10 @@ class ResolvedSource:
     base_model: str | None = None  # Hub id for the card's base_model, when known
     custom_code: bool = False  # the source declares custom code (auto_map); accepted only with --trust-remote-code
     family: str = "llama"  # its model family (families.FAMILIES), from its config's model_type
+    config: object = field(default=None, repr=False, compare=False)  # a GGUF's config, parsed once (not reported)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "config"}
 
 
 def source_identity(source: ResolvedSource) -> str:
@@ -253,6 +255,68 @@ def gguf_header_strings(path: Path, keys: set[str], stop_after: str | None = Non
     return found
 
 
+def gguf_data_end(path: Path) -> int:
+    """Where a GGUF file's tensor data must end (header, key/values, tensor infos, alignment, then the tensors at their
+    offsets), read without parsing any value: a file shorter than that is truncated."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+
+        def read(n: int) -> bytes:
+            if n > size - f.tell():
+                raise _Truncated
+            return f.read(n)
+
+        def number(fmt: str) -> int:
+            return struct.unpack("<" + fmt, read(struct.calcsize(fmt)))[0]
+
+        def value(kind: int):
+            if kind == _GGUF_STRING:
+                return read(number("Q"))
+            if kind == _GGUF_ARRAY:
+                item, count = number("I"), number("Q")
+                if item in _GGUF_SCALAR_BYTES:
+                    return f.seek(count * _GGUF_SCALAR_BYTES[item], os.SEEK_CUR)
+                return [value(item) for _ in range(count)]
+            if kind not in _GGUF_SCALAR_BYTES:
+                raise _Truncated
+            return read(_GGUF_SCALAR_BYTES[kind])
+
+        read(8)  # magic and version (checked by gguf_header_strings)
+        tensors, pairs = number("Q"), number("Q")
+        alignment = 32
+        for _ in range(pairs):
+            key = read(number("Q"))
+            kind = number("I")
+            raw = value(kind)
+            if key == b"general.alignment" and kind == 4:  # uint32
+                alignment = struct.unpack("<I", raw)[0] or 32
+        end = 0
+        for _ in range(tensors):
+            read(number("Q"))  # name
+            dims = [number("Q") for _ in range(number("I"))]
+            kind, offset = number("I"), number("Q")
+            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+            end = max(end, offset + math.prod(dims) // block * type_size)
+        start = f.tell() + (-f.tell() % alignment)
+    return start + end
+
+
+def check_gguf_complete(path: Path) -> None:
+    """Refuse a GGUF whose tensor data is cut short (an interrupted download) in one sentence, before gguf's reader
+    fails on it with 'cannot reshape array'."""
+    try:
+        end = gguf_data_end(path)
+    except (_Truncated, struct.error, ValueError, KeyError, OverflowError):
+        raise HfcompressError(f"{path} is a truncated or damaged GGUF file (its tensor table cannot be read): download it again.") from None
+    size = path.stat().st_size
+    if size < end:
+        raise HfcompressError(
+            f"{path} is truncated ({size:,} of the {end:,} bytes its tensor table needs): download it again."
+        )
+
+
 def gguf_architecture(path: Path) -> str:
     """`general.architecture` from a GGUF file's header (llama.cpp writes it first)."""
     architecture = gguf_header_strings(path, {"general.architecture"}, stop_after="general.architecture")
@@ -281,12 +345,13 @@ def _resolve_gguf(path: Path, name: str) -> ResolvedSource:
     from transformers import AutoConfig
 
     check_gguf_architecture(path)  # from the header: transformers would first parse every field (slow)
+    check_gguf_complete(path)  # an interrupted download: one sentence, not gguf's reshape error
     try:
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     except Exception as err:  # gguf raises many types on a bad file
         raise HfcompressError(f"{path} is not a readable GGUF model ({type(err).__name__}: {err}).") from err
     _, family = _check_architecture(config.to_dict(), {}, str(path), trust_remote_code=False)  # a GGUF holds no code
-    return ResolvedSource(kind="gguf", name=name, path=str(path.parent), gguf_file=path.name, family=family.name)
+    return ResolvedSource(kind="gguf", name=name, path=str(path.parent), gguf_file=path.name, family=family.name, config=config)
 
 
 def _resolve_hub(repo_id: str, revision: str | None, token: str | None, trust_remote_code: bool) -> ResolvedSource:
@@ -413,6 +478,7 @@ def resolve_source(
 
     if source == BUILTIN_SOURCE:
         gguf = _builtin_gguf()
+        check_gguf_complete(gguf)
         return ResolvedSource(
             kind="gguf", name=BUILTIN_SOURCE, path=str(gguf.parent), gguf_file=gguf.name, base_model=BUILTIN_BASE_MODEL
         )

@@ -257,7 +257,9 @@ class LocalHub:
         # An action is an int status code (e.g. 503), "reset" (close the connection without answering),
         # "truncate" (GET resolve only: send headers and half the body then close), "delay:<seconds>" (then answer
         # normally), "stall:<seconds>" (wait, then close without answering or applying the request) or
-        # "echo-auth:<status>" (answer <status> with the request's Authorization header quoted in the error message).
+        # "echo-auth:<status>" (answer <status> with the request's Authorization header quoted in the error message) or
+        # "cut" (a server that fails mid-upload: read half of the request's body, then close the connection without
+        # answering or applying the request).
         self.faults: dict[tuple[str, str], list] = {}
         self.requests: list[RequestRecord] = []
         self._lock = threading.RLock()
@@ -626,6 +628,19 @@ class _Handler(BaseHTTPRequestHandler):
                     return
                 elif action == "truncate":
                     self._truncate = True
+                elif action == "cut":
+                    length = int(self.headers.get("Content-Length") or 0)
+                    if length:
+                        self.rfile.read(max(1, length // 2))
+                    else:  # chunked: the first chunk only
+                        next(self._iter_body(), None)
+                    self._body_consumed = True
+                    self.close_connection = True
+                    try:
+                        self.connection.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                    return
                 else:
                     self._drain_body()
                     raise HubError(int(action), f"Injected fault {action}", headers={"Retry-After": "0"})

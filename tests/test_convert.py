@@ -239,7 +239,8 @@ def test_output_dir_has_ordinary_permissions(tmp_path):
 def test_push_refuses_incomplete_directory(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     result = runner.invoke(app, ["push", str(tmp_path), "me/x"])
-    assert result.exit_code == 2 and "not a complete hfcompress output directory" in result.output
+    assert result.exit_code == 2 and "not a finished hfcompress output" in result.output
+    assert "it lacks hfcompress_report.json, README.md, *.safetensors weights" in " ".join(result.output.split())
 
 
 @pytest.mark.slow  # a bfloat16 convert with speed: ~40 s on 2 cores

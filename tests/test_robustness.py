@@ -370,6 +370,7 @@ def test_disk_full_keeps_earlier_output(warm, tmp_path, monkeypatch):
     out = tmp_path / "o"
     out.mkdir()
     (out / "earlier.txt").write_text("an earlier conversion")
+    (out / "hfcompress_report.json").write_text("{}")  # --overwrite replaces only an earlier output
     real_write_output_dir = convert_module.write_output_dir
 
     def disk_fills_up(out_dir, overwrite, write):
@@ -383,7 +384,7 @@ def test_disk_full_keeps_earlier_output(warm, tmp_path, monkeypatch):
     result = convert(str(tiny), "--out", str(out), "--overwrite", "--max-ppl-increase", "1000", *FAST)
     assert result.exit_code == 5, result.output
     assert "The disk is full" in result.output and "earlier output there is untouched" in result.output
-    assert sorted(p.name for p in out.iterdir()) == ["earlier.txt"] and not leftovers(tmp_path)
+    assert sorted(p.name for p in out.iterdir()) == ["earlier.txt", "hfcompress_report.json"] and not leftovers(tmp_path)
 
 
 def test_disk_full_while_downloading(hub_inprocess, hub_api, tiny_llama_dir, tmp_path, monkeypatch):

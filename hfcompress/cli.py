@@ -142,6 +142,9 @@ def convert(
     lisa_lowrank_keys: str = typer.Option(
         LisaOptions.lowrank_keys, help="Low-rank keys of a shared layer: one per head, or per KV group."
     ),
+    lisa_group_heads: bool = typer.Option(
+        LisaOptions.group_heads, help="Sparse Align: the heads of one KV group read one KV head of the layer below, so vLLM caches no more than the original (docs/serving-vllm.md)."
+    ),
     lisa_steps: int = typer.Option(LisaOptions.steps, help="Adam steps of each shared layer's local fit."),
     lisa_batch_size: int = typer.Option(LisaOptions.batch_size, help="Calibration sequences per step of a shared layer's local fit."),
     fasc_budget: float = typer.Option(1.0, help="FASC: fraction of targeted linear parameters kept (1.0 = off)."),
@@ -229,6 +232,7 @@ def convert(
                 align_hidden=align_hidden,
                 lowrank=lowrank,
                 lowrank_keys=lisa_lowrank_keys,
+                group_heads=lisa_group_heads,
                 steps=lisa_steps,
                 batch_size=lisa_batch_size,
                 seed=seed,

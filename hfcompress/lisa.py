@@ -10,6 +10,7 @@ For layer l and the previous layer l-1, on calibration sequences:
   (so errors of a chain of shared layers are seen while fitting).
 """
 
+import itertools
 import math
 import time
 from collections.abc import Callable
@@ -48,6 +49,10 @@ class LisaOptions:
     align_hidden: int = 16  # dense Align: FFN width across heads; 0 = linear head mix only
     lowrank: bool = True  # low-rank Q/K correction (False: aligned previous scores only, an ablation)
     lowrank_keys: str = "group"  # one low-rank key per KV "group" (GQA: a smaller cache, a higher rank), or per "head"
+    # sparse Align: the query heads of one KV group read one KV head of the layer below, different groups different
+    # ones, so a shared layer and its anchor fit in one vLLM paged cache of no more values a token than the
+    # original layers (hfcompress.vllm_plugin; docs/serving-vllm.md); False: each head its best match anywhere
+    group_heads: bool = False
     # the fit was short of steps: 600 steps of one sequence beat 100 of four on held-out sequences, for about twice the
     # time (benchmarks/lisa_fit_budget.py)
     steps: int = 600
@@ -156,6 +161,28 @@ SIMILARITY_SEQUENCES = 8  # calibration sequences the similarity is measured on
 
 
 @torch.no_grad()
+def group_matching(js: torch.Tensor, kv_heads: int) -> list[int]:
+    """The head matching (source head below, per head) of least total JS divergence in which the heads of one KV group
+    read heads of one KV group below, and different groups different ones: groups are assigned by the permutation of
+    least summed divergence (each head's best head inside its group's assigned group), heads inside groups freely."""
+    heads = js.shape[0]
+    g = heads // kv_heads
+    # best[h, c]: head h's least divergence to a head of group c below, and that head
+    blocks = js.view(heads, kv_heads, g)
+    best, where = blocks.min(dim=2)
+    cost = best.view(kv_heads, g, kv_heads).sum(dim=1)  # (this layer's group, group below)
+    if kv_heads <= 8:
+        perm = min(itertools.permutations(range(kv_heads)), key=lambda p: sum(cost[j, c].item() for j, c in enumerate(p)))
+    else:  # greedy: the cheapest free pair first
+        perm, free_rows, free_cols = [0] * kv_heads, set(range(kv_heads)), set(range(kv_heads))
+        for j, c in sorted(((j, c) for j in range(kv_heads) for c in range(kv_heads)), key=lambda jc: cost[jc].item()):
+            if j in free_rows and c in free_cols:
+                perm[j] = c
+                free_rows.discard(j)
+                free_cols.discard(c)
+    return [perm[h // g] * g + int(where[h, perm[h // g]]) for h in range(heads)]
+
+
 def layer_similarity(
     idx: int, attn: nn.Module, x: torch.Tensor, cos_sin, previous: tuple[torch.Tensor, torch.Tensor, int | None] | None
 ) -> tuple[LayerSimilarity | None, tuple[torch.Tensor, torch.Tensor, int | None]]:
@@ -441,7 +468,11 @@ def fit_shared_layer(
         )
         sample = slice(0, min(len(x), 8))
         if options.align != "identity":
-            mix = alignment_mix(full_attention_scores(original, x[sample], cos_sin), scores_of(rows(below, sample)), matching)
+            scores, below_scores = full_attention_scores(original, x[sample], cos_sin), scores_of(rows(below, sample))
+            if options.group_heads and align == "sparse":
+                probs = [torch.softmax(s + mask, dim=-1) for s in (scores, below_scores)]
+                matching = group_matching(js_matrix(*probs), config.num_key_value_heads)
+            mix = alignment_mix(scores, below_scores, matching)
             if align == "dense":
                 module.align.mix.copy_(mix)
             else:

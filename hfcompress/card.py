@@ -248,6 +248,30 @@ def lm_eval_view(lm_eval: dict | None) -> dict | None:
 
 
 # ------------------------------------------------------------------------------------------------------- card
+def peers_view(report: dict) -> dict | None:
+    """The trade-off table: the original, this conversion and the training-free peers (peers.py), each with its KV
+    cache a token relative to the original and its perplexity on every gated text; None when they were not computed."""
+    peers = report.get("peers")
+    if not peers:
+        return None
+    texts = report["validation"]["texts"]
+    values = peers["kv_values_per_token"]
+    rows = [
+        {"name": "original", "kv_ratio": 1.0, "perplexity": [t["original"]["perplexity"] for t in texts]},
+        {"name": "**this conversion**", "kv_ratio": values["converted"] / values["original"],
+         "perplexity": [t["converted"]["perplexity"] for t in texts]},
+    ]  # fmt: skip
+    for peer in peers["peers"]:
+        layers = f" (layers {', '.join(map(str, peer['layers']))})" if peer["layers"] else ""
+        rows.append({"name": peer["name"] + layers, "kv_ratio": peer["kv_ratio"], "perplexity": [peer["perplexity"][t["eval_text"]] for t in texts]})
+    return {
+        "texts": [t["eval_text"].split(" (")[0] for t in texts],
+        "rows": rows,
+        "dominated_by": peers.get("dominated_by") or [],
+        "skipped": peers.get("skipped"),
+    }
+
+
 def render_card(report: dict, repo_id: str) -> ModelCard:
     """The model card of a conversion, from its report (hfcompress_report.json; see report.py and pipeline.py)."""
     source = report["source"]
@@ -324,6 +348,8 @@ def render_card(report: dict, repo_id: str) -> ModelCard:
         hardware=report["hardware"],
         speed=report.get("speed"),
         dtype=report.get("dtype", "float32"),
+        dropped_layers=lisa.get("dropped_attention_layers") or [],
+        peers=peers_view(report),
     )
     return ModelCard(re.sub(r"\n{3,}", "\n\n", card.content))  # the template's skipped sections leave blank runs
 

@@ -87,13 +87,13 @@ def _fail(console, message: str, exit_code: int) -> None:
     raise typer.Exit(exit_code) from None
 
 
-def _layers(value: str | None) -> list[int] | None:
+def _layers(value: str | None, option: str = "--lisa-layers") -> list[int] | None:
     if value is None:
         return None
     try:
         return [int(v) for v in value.split(",") if v.strip()]
     except ValueError:
-        raise HfcompressError(f"--lisa-layers must be comma-separated layer numbers, got '{value}'.") from None
+        raise HfcompressError(f"{option} must be comma-separated layer numbers, got '{value}'.") from None
 
 
 @app.command(
@@ -130,6 +130,10 @@ def convert(
         None, help="Share as many layers as keep perplexity within +PCT (a search; instead of --share-ratio)."
     ),
     protect_first: int = typer.Option(LisaOptions.protect_first, help="Number of shallow layers never shared."),
+    layer_plan: str = typer.Option(
+        LisaOptions.plan, help="What --share-ratio / --lisa-ppl-budget may do to a layer: share, drop (its attention), mixed (per layer)."
+    ),
+    drop_attention_layers: str = typer.Option(None, help="Comma-separated layers whose attention is dropped outright."),
     lisa_max_chain: int = typer.Option(
         LisaOptions.max_chain, help="At most this many consecutive shared layers (default: no cap)."
     ),
@@ -183,6 +187,9 @@ def convert(
     seed: int = typer.Option(0, help="Random seed (fitting and probes)."),
     probe: bool = typer.Option(None, "--probe/--no-probe", help="Factual-recall probe of both models (default: when they fit)."),
     speed: bool = typer.Option(None, "--speed/--no-speed", help="Tokens/s of both models side by side (default: when they fit)."),
+    peers: bool = typer.Option(
+        None, "--peers/--no-peers", help="Score attention/layer dropping and a 4-bit KV cache at this KV saving (default: when the model fits)."
+    ),
     dtype: str = typer.Option("auto", help="Saved weights: auto (the source's), float32, bfloat16, float16."),
     device: str = typer.Option("auto", help="Where layers are computed: auto, cpu, cuda or cuda:N."),
     max_shard_size: str = typer.Option("2GB", help="Largest output safetensors shard, e.g. 2GB or 500MB."),
@@ -217,6 +224,7 @@ def convert(
             seed=seed,
             probe=probe,
             speed=speed,
+            peers=peers,
             dtype=dtype,
             device=device,
             max_shard_size=max_shard_size,
@@ -227,6 +235,8 @@ def convert(
                 ppl_budget=lisa_ppl_budget,
                 protect_first=protect_first,
                 max_chain=lisa_max_chain,
+                plan=layer_plan,
+                drop_layers=_layers(drop_attention_layers, "--drop-attention-layers"),
                 qk_compression=qk_compression,
                 align=lisa_align,
                 align_hidden=align_hidden,
@@ -277,7 +287,7 @@ def analyze(
     rho: bool = typer.Option(False, "--rho", help="Also measure FASC rho per linear (needs backward passes)."),
     share_ratio: float = typer.Option(DEFAULT_SHARE_RATIO, help="Show which layers convert would share at this ratio."),
     protect_first: int = typer.Option(2, help="Number of shallow layers never shared."),
-    calib_text: str = typer.Option("auto", help=f"Calibration text: {TEXT_HELP}; auto: wikitext-2 (train split) when the Hub answers, else wiki."),
+    calib_text: str = typer.Option("auto", help=f"Calibration text: {TEXT_HELP}; auto: wikitext-2 (train split) when the Hub answers, else mix."),
     calib_sequences: int = typer.Option(16, help="Number of calibration sequences."),
     seq_len: int = typer.Option(256, help="Calibration sequence length in tokens."),
     revision: str = typer.Option(None, help="Branch, tag or commit of a Hub source."),
@@ -310,8 +320,8 @@ def analyze(
 def evaluate(
     model: str = typer.Argument(..., help="A converted model: hfcompress output directory or Hub id."),
     baseline: str = typer.Option(None, help="Original model to measure beside it (any SOURCE form of `convert`)."),
-    eval_text: str = typer.Option("auto", help=f"Perplexity text: {TEXT_HELP}; wikitext-2 reads its test split; auto: wikitext-2 when the Hub answers, else the held-out last 25% of wiki (what convert measured)."),
-    ood_text: str = typer.Option("auto", help="Second perplexity text, of another domain: news (auto, when installed), FILE, builtin, wiki, wikitext-2 or none."),
+    eval_text: str = typer.Option("auto", help=f"Perplexity text: {TEXT_HELP}; wikitext-2 reads its test split; auto: wikitext-2 when the Hub answers, else the held-out last 25% of each domain of mix (what convert measured)."),
+    ood_text: str = typer.Option("auto", help="Second perplexity text, of another domain: numpy-docs (auto), news, usenet, FILE, builtin, wiki, wikitext-2 or none."),
     context: int = typer.Option(512, help="Perplexity window in tokens."),
     stride: int = typer.Option(None, help="Window stride in tokens (default: = context)."),
     eval_tokens: int = typer.Option(None, help="Score only the first N tokens (default: all)."),
@@ -324,6 +334,7 @@ def evaluate(
     lm_eval_fewshot: int = typer.Option(None, help="lm-eval few-shot examples (default: each task's own)."),
     lm_eval_limit: float = typer.Option(None, help="lm-eval documents per task (below 1: a fraction); for quick checks only."),
     json_out: Path = typer.Option(None, "--json", help="Also write the results as JSON."),
+    engine: str = typer.Option("transformers", help="Perplexity of MODEL through transformers (the remote code) or vllm (served by vLLM with the hfcompress plugin, from .venv-vllm: scripts/install_vllm.sh)."),
 ) -> None:
     """Perplexity, factual recall, speed and lm-eval tasks of a converted model (and its baseline, same tokens, same run)."""
     import json
@@ -338,7 +349,8 @@ def evaluate(
             harness = LmEvalOptions.parse(lm_eval, lm_eval_include, lm_eval_batch_size, lm_eval_fewshot, lm_eval_limit)
         command = shlex.join(["hfcompress", *sys.argv[1:]])
         result = run_evaluate(
-            model, baseline, eval_text, ood_text, context, stride, eval_tokens, speed, probe, trust_remote_code, harness, command
+            model, baseline, eval_text, ood_text, context, stride, eval_tokens, speed, probe, trust_remote_code, harness, command,
+            engine=engine,
         )
         if json_out:
             json_out.write_text(json.dumps(result, indent=2))

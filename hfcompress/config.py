@@ -50,9 +50,9 @@ class ConvertOptions:
     force: bool = False
     trust_remote_code: bool = False  # accept a source that declares custom code (its code is still never run)
     max_ppl_increase: float = 10.0  # percent: the quality gate
-    calib_text: str = AUTO  # FILE path, "builtin", "wikitext-2" or "auto" (text.py)
+    calib_text: str = AUTO  # FILE path, "mix", "builtin", "wiki", "wikitext-2" or "auto" (text.py)
     eval_text: str = AUTO
-    ood_text: str = AUTO  # a second evaluation text of another domain (text.py): news | FILE | builtin | wikitext-2 | none
+    ood_text: str = AUTO  # a second evaluation text of another domain (text.py): numpy-docs (auto) | news | usenet | FILE | ... | none
     calib_sequences: int = 16
     seq_len: int = 256
     eval_tokens: int = 4096
@@ -61,6 +61,7 @@ class ConvertOptions:
     seed: int = 0
     probe: bool | None = None  # factual-recall probe; None = when the whole model fits in memory
     speed: bool | None = None  # prefill/decode speed side by side; None = when both models fit
+    peers: bool | None = None  # training-free peers at the same KV saving (peers.py); None = when the model fits
     dtype: str = "auto"  # saved weights: auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto (first CUDA device, else CPU) | cpu | cuda | cuda:N
     max_shard_size: str = "2GB"
@@ -81,6 +82,7 @@ class ConvertOptions:
     def validate(self) -> "ConvertOptions":
         """Raise one HfcompressError naming the first bad value or combination; cheap, touches no network."""
         from .fasc import METHODS, TARGETABLE
+        from .layer_plan import PLAN_KINDS
         from .lisa import ALIGN_KINDS, LOWRANK_KEYS
 
         lisa, fasc, distill = self.lisa, self.fasc, self.distill
@@ -129,6 +131,15 @@ class ConvertOptions:
         if lisa.lowrank_keys not in LOWRANK_KEYS:
             raise HfcompressError(f"Unknown --lisa-lowrank-keys '{lisa.lowrank_keys}': choose one of {', '.join(LOWRANK_KEYS)}.")
         _at_least(lisa.protect_first, 0, "--protect-first")
+        if lisa.plan not in PLAN_KINDS:
+            raise HfcompressError(f"Unknown --layer-plan '{lisa.plan}': choose one of {', '.join(PLAN_KINDS)}.")
+        if lisa.plan != "share" and lisa.layers is not None:
+            raise HfcompressError(
+                f"--layer-plan {lisa.plan} chooses the layers --share-ratio or --lisa-ppl-budget change; with --lisa-layers "
+                "name the dropped ones with --drop-attention-layers."
+            )
+        if lisa.drop_layers is not None and any(layer < 1 for layer in lisa.drop_layers):
+            raise HfcompressError(f"--drop-attention-layers {lisa.drop_layers}: layer 0 keeps its attention; give layers >= 1.")
         if lisa.max_chain is not None:
             _at_least(lisa.max_chain, 1, "--lisa-max-chain")
             if lisa.layers is not None:
@@ -184,16 +195,27 @@ class ConvertOptions:
     def check_against_model(self, config) -> None:
         """Checks that need the source's config (layer count, attention types and shapes); run before calibration."""
         from .build import converted_config
-        from .lisa import check_attention_types, lowrank_rank, most_with_max_chain, shareable_layers, too_few_candidates
+        from .lisa import (
+            check_attention_types, check_drop_layers, lowrank_rank, most_with_max_chain, shareable_layers, too_few_candidates,
+        )  # fmt: skip
 
         config = converted_config(config, {})  # the family's view: attention types per layer, head_dim
         layers = config.num_hidden_layers
         shareable = shareable_layers(config.attention_types)
+        check_drop_layers(self.lisa.drop_layers or [], layers)
         if self.lisa.layers is not None:
             bad = [layer for layer in self.lisa.layers if not 0 < layer < layers]
             if bad:
                 raise HfcompressError(f"--lisa-layers {bad} are out of range: layers 1..{layers - 1} can be shared.")
             check_attention_types(self.lisa.layers, shareable)
+        elif self.lisa.plan != "share" and self.lisa.ppl_budget is None:
+            count = round(self.lisa.ratio * layers)
+            eligible = layers - max(1, self.lisa.protect_first) - len(set(self.lisa.drop_layers or []))
+            if count > eligible:
+                raise HfcompressError(
+                    f"--share-ratio {self.lisa.ratio} asks for {count} changed layers but only {eligible} are outside the "
+                    f"{self.lisa.protect_first} protected shallow layers and --drop-attention-layers: lower --share-ratio."
+                )
         elif self.lisa.ppl_budget is None:
             count = round(self.lisa.ratio * layers)
             eligible = [layer for layer, ok in shareable.items() if ok and layer >= max(1, self.lisa.protect_first)]

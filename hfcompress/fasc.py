@@ -267,6 +267,8 @@ class FascMethod(Method):
             rhos.update(summary["rhos"])
             shapes.update(summary["shapes"])
             spectra.update(summary["spectra"])
+        dropped = set(planner.notes.get("dropped_attention_layers", []))  # LISA's plan ran first (order)
+        spectra = {name: s for name, s in spectra.items() if not (int(name.split(".")[0]) in dropped and ".self_attn." in name)}
         empty = torch.empty(0)  # only the spectra drive the allocation
         decompositions = {name: Decomposition(left=empty, right=empty, spectrum=s) for name, s in spectra.items()}
         self.ranks = plan_ranks(decompositions, shapes, self.options)

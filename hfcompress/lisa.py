@@ -21,6 +21,7 @@ from torch import nn
 
 from .calibrate import cache_key, load_or_compute
 from .errors import HfcompressError
+from .layer_plan import LayerPlan, chain_length, kv_values, largest_within, plan_sequence, ranked_actions
 from .methods import LayerContext, Method, Planner, register
 from .progress import console, progress_bar
 from .remote import import_remote
@@ -59,6 +60,10 @@ class LisaOptions:
     batch_size: int = 1
     lr: float = 1e-2
     seed: int = 0
+    # what --share-ratio and --lisa-ppl-budget may do to a layer: share it (LISA), drop its attention, or either, per
+    # layer, by estimated cost per KV value saved (layer_plan.py)
+    plan: str = "share"
+    drop_layers: list[int] | None = None  # attention dropped in these layers, besides what the plan chooses
 
     @property
     def ratio(self) -> float:
@@ -74,6 +79,7 @@ class LayerSimilarity:
     head_js_best: list[float]  # per head of this layer, JS to its matched head
     aligned_output_error: float  # relative MSE of the attention output when scores = aligned previous scores
     shareable: bool = True  # it has the attention type of the layer below (see `shareable_layers`)
+    attention_energy: float | None = None  # E|a|^2 / E|h + a|^2: attention output a, layer input h (`attention_energy`)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -209,6 +215,15 @@ def layer_similarity(
     return similarity, (scores, probs, attn.sliding_window)
 
 
+@torch.no_grad()
+def attention_energy(attn: nn.Module, x: torch.Tensor, hidden: torch.Tensor, cos_sin) -> float:
+    """E|a|^2 / E|h + a|^2 over tokens: how much of the residual stream after the attention block is the block's output
+    a (attention input x = norm(h)); the relative change dropping the block makes (layer_plan.py)."""
+    mask = causal_mask(x.shape[1], device=x.device, window=attn.sliding_window)
+    out = attention_output(attn, x, full_attention_scores(attn, x, cos_sin), mask).float()
+    return (out.pow(2).sum(-1).mean() / (hidden.float() + out).pow(2).sum(-1).mean().clamp_min(1e-30)).item()
+
+
 def in_converted_classes(model: nn.Module) -> nn.Module:
     """The original model in its family's converted classes, converting nothing (sharing the original's tensors)."""
     from .build import build_converted_model
@@ -249,6 +264,25 @@ def select_layers(similarity: list[LayerSimilarity], num_layers: int, options: L
     if count > len(candidates):
         raise HfcompressError(too_few_candidates(options, count, len(candidates)))
     return sorted(candidates[:count])
+
+
+def search_notes(planner: Planner) -> dict:
+    """What the report keeps of the planner's notes about a perplexity search: the selection text's size."""
+    return {k: planner.notes[k] for k in ("tokens", "context")}
+
+
+def check_drop_layers(layers: list[int], num_layers: int) -> None:
+    """Refuse --drop-attention-layers the modeling cannot run: layer 0 keeps its attention (the cache counts tokens by it)."""
+    bad = [layer for layer in layers if not 0 < layer < num_layers]
+    if bad:
+        raise HfcompressError(f"--drop-attention-layers {bad} are out of range: give layers 1..{num_layers - 1}.")
+
+
+def without_attention(state: dict[str, torch.Tensor], layer: nn.Module) -> dict[str, torch.Tensor]:
+    """Decoder layer `layer`'s tensors `state` (`model.layers.N.*`) without what a dropped attention takes with it (the
+    family's `attention_parts`: the attention, its input norm, Gemma 3's norm of its output)."""
+    prefixes = tuple(f"model.layers.{layer.layer_idx}.{part}." for part in type(layer).attention_parts)
+    return {k: v for k, v in state.items() if not k.startswith(prefixes)}
 
 
 def too_few_candidates(options: LisaOptions, count: int, candidates: int) -> str:
@@ -310,16 +344,6 @@ def most_with_max_chain(layers: list[int], max_chain: int) -> int:
     return sum(n - n // (max_chain + 1) for n in runs)
 
 
-def chain_length(layers: set[int], layer: int) -> int:
-    """Length of the run of consecutive layers in `layers` that contains `layer`."""
-    low, high = layer, layer
-    while low - 1 in layers:
-        low -= 1
-    while high + 1 in layers:
-        high += 1
-    return high - low + 1
-
-
 def search_layers_by_perplexity(
     ranked: list[int], perplexity_of: Callable[[list[int]], float], limit: float
 ) -> tuple[list[int], list[dict]]:
@@ -328,18 +352,8 @@ def search_layers_by_perplexity(
     Binary search over the count (about log2(len(ranked)) fits), assuming that sharing more layers never lowers
     the perplexity; returns the choice and every probe made, for the report.
     """
-    probes: list[dict] = []
-    low, high = 0, len(ranked)  # invariant: `low` layers fit the budget (0 always does)
-    while low < high:
-        count = (low + high + 1) // 2
-        layers = sorted(ranked[:count])
-        value = perplexity_of(layers)
-        probes.append({"count": count, "layers": layers, "perplexity": value, "within_budget": value <= limit})
-        if value <= limit:
-            low = count
-        else:
-            high = count - 1
-    return sorted(ranked[:low]), probes
+    count, probes = largest_within(len(ranked), lambda n: perplexity_of(sorted(ranked[:n])), limit)
+    return sorted(ranked[:count]), [{"count": p["count"], "layers": sorted(ranked[: p["count"]]), **p} for p in probes]
 
 
 LOWRANK_KEYS = ("head", "group")
@@ -372,7 +386,8 @@ ABLATIONS = {
     "sparse + low-rank": dict(align="sparse"),  # the default
 }
 FIT_REPORT_SEQUENCES = 16  # the fit record's initial and final losses are on the first 16 calibration sequences
-SELECTION_ONLY = ("share_ratio", "layers", "protect_first", "ppl_budget", "max_chain")  # LisaOptions that do not change a fit
+# LisaOptions that do not change a fit
+SELECTION_ONLY = ("share_ratio", "layers", "protect_first", "ppl_budget", "max_chain", "plan", "drop_layers")
 
 
 @dataclass
@@ -609,16 +624,19 @@ def shared_qk_parameters(record: FittedLayer) -> int:
 
 @register
 class LisaMethod(Method):
-    """LISA as a pipeline unit: similarity in the forward pass, the layer choice in plan, the fits in apply."""
+    """LISA as a pipeline unit: similarity (and each attention block's energy) in the forward pass, the per-layer plan
+    (keep, share or drop the attention) in plan, the fits and the drops in apply."""
 
     name = "lisa"
     order = 10
 
-    def __init__(self, options: LisaOptions, layers: list[int] | None = None) -> None:
+    def __init__(self, options: LisaOptions, layers: list[int] | None = None, dropped: list[int] | None = None) -> None:
         self.options = options
         self.fixed_layers = layers  # a candidate plan scored by the perplexity search
+        self.fixed_dropped = dropped
         self.config = None
         self.chosen: list[int] = []
+        self.dropped: list[int] = []  # layers whose attention is dropped
         self.rank = 0
         self.search: dict | None = None
         self.records: list[FittedLayer] = []  # fit records of the layers converted so far (weights dropped)
@@ -653,6 +671,9 @@ class LisaMethod(Method):
             previous = self._previous[1]
         similarity, scores = layer_similarity(ctx.index, ctx.layer.self_attn, x, ctx.cos_sin(x.shape[1]), previous)
         self._previous = (ctx.index, scores) if ctx.index + 1 < ctx.num_layers else None
+        if similarity is not None:
+            hidden = ctx.hidden_input()[:SIMILARITY_SEQUENCES]
+            similarity.attention_energy = attention_energy(ctx.layer.self_attn, x, hidden, ctx.cos_sin(x.shape[1]))
         if ctx.is_main and similarity is not None:
             torch.save(similarity, self.store / f"similarity-{ctx.index}.pt")
 
@@ -660,41 +681,98 @@ class LisaMethod(Method):
         config, options = planner.config, self.options
         if not self.similarity:
             self.similarity = [torch.load(self.store / f"similarity-{i}.pt", weights_only=False) for i in range(1, planner.num_layers)]
-        similarity = self.similarity
+        fixed_drops = sorted(set(options.drop_layers or []))
+        check_drop_layers(fixed_drops, planner.num_layers)
+        # the layers a plan may still change: not dropped by --drop-attention-layers, nor right above such a layer
+        similarity = [s for s in self.similarity if s.layer not in fixed_drops and s.layer - 1 not in fixed_drops]
+        self.dropped = fixed_drops
         if self.fixed_layers is not None:
-            self.chosen = sorted(self.fixed_layers)
+            self.chosen, self.dropped = sorted(self.fixed_layers), sorted(self.fixed_dropped or [])
         elif options.layers is not None:
-            self.chosen = select_layers(similarity, planner.num_layers, options)
-        elif options.ppl_budget is not None:
-            tokens, context = planner.notes["tokens"], planner.notes["context"]
-            if tokens < context:
+            self.chosen = select_layers(self.similarity, planner.num_layers, options)
+            clash = sorted({layer for layer in self.chosen if layer in fixed_drops or layer - 1 in fixed_drops})
+            if clash:
                 raise HfcompressError(
-                    f"--lisa-ppl-budget needs {context} calibration tokens beyond the calibration sequences, the text "
-                    f"has {tokens}: give a longer --calib-text or fewer --calib-sequences."
+                    f"--lisa-layers {clash} cannot be shared: the layer or the layer below it is in --drop-attention-"
+                    "layers, and a shared layer reads the attention of the layer below."
                 )
-            base = planner.selection_perplexity([])
-            limit = base * (1 + options.ppl_budget / 100)
-
+        elif options.plan != "share":
+            plan = self.plan_layers(planner, similarity)
+            self.chosen, self.dropped = plan.shared, sorted({*plan.dropped, *fixed_drops})
+        elif options.ppl_budget is not None:
             def perplexity_of(layers: list[int]) -> float:
-                variant = LisaMethod(options, layers)  # the same method with this candidate's layers
-                variant.similarity, variant.store = similarity, self.store
-                variant.plan(planner)
-                return planner.selection_perplexity([variant])
+                return self.score(planner, layers, fixed_drops)
 
+            base, limit = self.search_limit(planner)
             self.chosen, probes = search_layers_by_perplexity(ranked_candidates(similarity, options), perplexity_of, limit)
-            self.search = {"original_perplexity": base, "limit": limit, "probes": probes, **planner.notes}
+            self.search = {"original_perplexity": base, "limit": limit, "probes": probes, **search_notes(planner)}
             console.log(f"lisa search: {len(self.chosen)} layers within +{options.ppl_budget:g}% ({len(probes)} fits)")
         else:
             self.chosen = select_layers(similarity, planner.num_layers, options)
         self.rank = lowrank_rank(config, options.qk_compression, options.lowrank_keys) if self.chosen and options.lowrank else 0
         self.config = config
         self.records, self.qk_params, self.below = [], [], None
+        planner.notes["dropped_attention_layers"] = self.dropped  # FASC leaves a dropped attention's linears alone
+
+    def score(self, planner: Planner, layers: list[int], dropped: list[int]) -> float:
+        """Selection perplexity of this method with the candidate plan (`layers` shared, `dropped` dropped)."""
+        variant = LisaMethod(self.options, layers, dropped)
+        variant.similarity, variant.store = self.similarity, self.store
+        variant.plan(planner)
+        return planner.selection_perplexity([variant])
+
+    def search_limit(self, planner: Planner) -> tuple[float, float]:
+        """(original selection perplexity, the search's limit) for --lisa-ppl-budget."""
+        tokens, context = planner.notes["tokens"], planner.notes["context"]
+        if tokens < context:
+            raise HfcompressError(
+                f"--lisa-ppl-budget needs {context} calibration tokens beyond the calibration sequences, the text "
+                f"has {tokens}: give a longer --calib-text or fewer --calib-sequences."
+            )
+        base = planner.selection_perplexity([])
+        return base, base * (1 + self.options.ppl_budget / 100)
+
+    def plan_layers(self, planner: Planner, similarity: list[LayerSimilarity]) -> LayerPlan:
+        """--layer-plan drop | mixed: actions ranked by estimated cost per KV value saved (layer_plan.py), as many as
+        the ratio asks, or the most whose selection perplexity stays within --lisa-ppl-budget."""
+        config, options = planner.config, self.options
+        rank = lowrank_rank(config, options.qk_compression, options.lowrank_keys) if options.lowrank else 0
+        values = kv_values(config, rank, lowrank_key_heads(config, options.lowrank_keys))
+        energy = {s.layer: s.attention_energy for s in similarity}
+        plans = plan_sequence(ranked_actions(similarity, energy, values, options.plan, options.protect_first), options.max_chain)
+        fixed_drops = sorted(set(options.drop_layers or []))
+        if options.ppl_budget is None:
+            count = round(options.ratio * planner.num_layers)
+            if count >= len(plans):
+                raise HfcompressError(
+                    f"--share-ratio {options.ratio} asks for {count} changed layers but --layer-plan {options.plan} can "
+                    f"change only {len(plans) - 1} outside the {options.protect_first} protected shallow layers: lower "
+                    "--share-ratio."
+                )
+            return plans[count]
+
+        def perplexity_of(count: int) -> float:
+            return self.score(planner, plans[count].shared, sorted({*plans[count].dropped, *fixed_drops}))
+
+        base, limit = self.search_limit(planner)
+        count, probes = largest_within(len(plans) - 1, perplexity_of, limit)
+        probes = [{"count": p["count"], "layers": plans[p["count"]].shared, "dropped": plans[p["count"]].dropped, **p} for p in probes]
+        self.search = {"original_perplexity": base, "limit": limit, "probes": probes, **search_notes(planner)}
+        plan = plans[count]
+        console.log(
+            f"layer plan: {len(plan.shared)} shared, {len(plan.dropped)} dropped within +{options.ppl_budget:g}% "
+            f"({len(probes)} probes)"
+        )
+        return plan
 
     def touches(self, index: int) -> bool:
-        return index in self.chosen or index + 1 in self.chosen
+        return index in self.chosen or index + 1 in self.chosen or index in self.dropped
 
     def apply(self, ctx: LayerContext, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         idx = ctx.index
+        if idx in self.dropped:
+            self.below = None
+            return without_attention(state, ctx.layer)
         if not self.touches(idx):
             self.below = None
             return state
@@ -724,7 +802,10 @@ class LisaMethod(Method):
         spec = {"rank": self.rank, "align": align, "align_hidden": hidden}
         if self.options.lowrank_keys != "head":
             spec["key_heads"] = lowrank_key_heads(self.config, self.options.lowrank_keys)
-        return {"lisa_layers": {str(layer): dict(spec) for layer in self.chosen}}
+        entries = {"lisa_layers": {str(layer): dict(spec) for layer in self.chosen}}
+        if self.dropped:
+            entries["dropped_attention_layers"] = list(self.dropped)
+        return entries
 
     def resume_state(self) -> dict:
         return {"records": self.records, "qk_params": self.qk_params, "below": self.below}
@@ -737,6 +818,8 @@ class LisaMethod(Method):
         dense_qk = config.hidden_size * config.head_dim * (config.num_attention_heads + config.num_key_value_heads)
         return {
             "layers": self.chosen,
+            "dropped_attention_layers": self.dropped,
+            "layer_plan": self.options.plan,
             "perplexity_search": self.search,
             "rank": self.records[0].rank if self.records else None,
             "options": asdict(self.options),

@@ -37,6 +37,7 @@ class LayerContext:
     cos_sin: Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # RoPE (cos, sin) for a sequence length, on device
     previous: Callable[[], "LayerContext | None"]  # the layer below (rebuilt on demand, e.g. when a pass resumes)
     is_main: bool = True
+    hidden_input: Callable[[], torch.Tensor] | None = None  # every process's layer inputs (N, T, d): the residual stream
 
 
 @dataclass

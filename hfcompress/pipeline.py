@@ -47,6 +47,7 @@ from .distill import DistillData
 from .errors import GATE_FAILED_EXIT, HfcompressError
 from .memory import peak_memory, return_freed_memory
 from .methods import LayerContext, Method, Planner
+from .peers import log_verdict
 from .plots import write_plots
 from .preflight import check_output, check_push_target, check_run_disk, check_source, output_lock
 from .progress import console, progress_bar
@@ -103,7 +104,7 @@ class TokenStreams:
 def token_streams(options: ConvertOptions, tokenizer) -> TokenStreams:
     calib_tokens = options.calib_sequences * options.seq_len
     calib_ids, calib_name, eval_ids, eval_name = text_streams(
-        tokenizer, options.calib_text, options.eval_text, calib_tokens + SELECTION_TOKENS + options.distill.budget
+        tokenizer, options.calib_text, options.eval_text, calib_tokens + SELECTION_TOKENS + options.distill.budget, options.seed
     )
     prefix = window_prefix(tokenizer)
     sequences = prefixed(prefix, chunk(calib_ids, options.seq_len - len(prefix), options.calib_sequences))
@@ -194,6 +195,9 @@ class Run:
                 cache["x"] = processes.gather(torch.cat(parts))
             return cache["x"]
 
+        def hidden_input() -> torch.Tensor:
+            return processes.gather(hidden.to(self.device))
+
         def previous() -> LayerContext | None:
             if idx == 0:
                 return None
@@ -202,6 +206,7 @@ class Run:
         return LayerContext(
             index=idx, num_layers=stream.num_layers, layer=layer, device=self.device, attention_input=attention_input,
             cos_sin=lambda seq_len: stream.cos_sin(seq_len, idx), previous=previous, is_main=processes.is_main,
+            hidden_input=hidden_input,
         )
 
 
@@ -516,11 +521,12 @@ def _convert(options: ConvertOptions, argv: list[str] | None) -> Report:
         save_tensors({k: v.to(run.saved_dtype) for k, v in checkpoint.load(rest).items()}, work / "rest.safetensors")
     processes.wait()
 
-    finished, probe, speed, layers_dir = {}, {}, None, work
+    finished, probe, speed, peers, layers_dir = {}, {}, None, None, work
     if processes.is_main:
         distill_data = DistillData(streams.calib_ids, texts, options.eval_context, work, options.seed, streams.prefix)
         results = whole.run(run, checkpoint, source_config, config, work, layer_files, tokenizer, distill_data, probe_ids)
         finished, probe, speed, layers_dir = results.finished, results.probe, results.speed, results.layers_dir
+        peers = results.peers
         if results.converted_perplexity:  # a finisher changed the weights: score the result again
             perplexities = {text: (perplexities[text][0], ppl) for text, ppl in results.converted_perplexity.items()}
             expected_logits = results.expected_logits
@@ -529,6 +535,9 @@ def _convert(options: ConvertOptions, argv: list[str] | None) -> Report:
     for row in gate_rows:  # the Hub dataset split a text is (id, config, split, revision), for the card's model-index
         row["dataset"] = hub_dataset(row["eval_text"])
     main_row = gate_rows[0]
+    if peers is not None:
+        converted_ppl = {text: pair[1].perplexity for text, pair in perplexities.items()}
+        peers["dominated_by"] = [peer["name"] for peer in log_verdict(peers, converted_ppl)]
     report = Report(
         versions=versions(), command=run.command, source=source.to_dict(), num_layers=run.stream.num_layers,
         hardware=hardware_description(run.device), device=str(run.device), processes=processes.count,
@@ -541,7 +550,7 @@ def _convert(options: ConvertOptions, argv: list[str] | None) -> Report:
             perplexity_increase_pct=main_row["perplexity_increase_pct"], max_ppl_increase_pct=options.max_ppl_increase,
             gate_passed=gate_passed, gate_message=gate_message, probe=probe, texts=gate_rows,
         ),
-        speed=speed, dtype=str(run.saved_dtype).removeprefix("torch."), max_shard_size=options.max_shard_size,
+        speed=speed, peers=peers, dtype=str(run.saved_dtype).removeprefix("torch."), max_shard_size=options.max_shard_size,
         whole_model_steps=whole.describe(), timings=run.timings,
     )
     if not processes.is_main:

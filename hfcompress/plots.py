@@ -118,6 +118,34 @@ def learning_curve(record: dict, path: Path) -> Path:
     return path
 
 
+def tradeoff(report: dict, path: Path) -> Path:
+    """Perplexity against KV cache a token (relative to the original), one panel per gated text: the original, this
+    conversion and the training-free peers (peers.py)."""
+    peers, texts = report["peers"], report["validation"]["texts"]
+    values = peers["kv_values_per_token"]
+    styles = {"attention-drop": ("o", "tab:orange"), "layer-drop": ("s", "tab:red"), "kv-quantized": ("^", "tab:purple")}
+    fig, axes = plt.subplots(1, len(texts), figsize=(4.6 * len(texts), 3.6), squeeze=False)
+    for ax, text in zip(axes[0], texts):
+        name = text["eval_text"]
+        ax.scatter([1.0], [text["original"]["perplexity"]], marker="D", color="tab:gray", label="original", zorder=3)
+        ax.scatter([values["converted"] / values["original"]], [text["converted"]["perplexity"]], marker="*", s=160,
+                   color="tab:green", label="this conversion", zorder=4)  # fmt: skip
+        for kind, (marker, color) in styles.items():
+            rows = [p for p in peers["peers"] if p["kind"] == kind]
+            if rows:
+                ax.scatter([p["kv_ratio"] for p in rows], [p["perplexity"][name] for p in rows], marker=marker, color=color, label=kind, zorder=3)
+        ax.set_xlabel("KV cache a token (original = 1)")
+        ax.set_ylabel("perplexity")
+        ax.set_title(name.split(" (")[0], fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("Against training-free peers at this KV saving (lower left is better)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def write_plots(report: dict, directory: Path) -> dict[str, str]:
     """The card's PNGs from a report; returns {name: path relative to the repo root}."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -143,4 +171,7 @@ def write_plots(report: dict, directory: Path) -> dict[str, str]:
     if report.get("speed"):
         speed_bars(report["speed"], directory / "speed.png")
         plots["speed"] = "plots/speed.png"
+    if report.get("peers"):
+        tradeoff(report, directory / "tradeoff.png")
+        plots["tradeoff"] = "plots/tradeoff.png"
     return plots

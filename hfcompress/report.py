@@ -42,6 +42,7 @@ class Report:
     validation: Validation
     parameters: dict = field(default_factory=dict)
     speed: dict | None = None
+    peers: dict | None = None  # what a user could do instead at this KV saving (peers.py)
     dtype: str = "float32"
     max_shard_size: str = "2GB"
     whole_model_steps: dict = field(default_factory=dict)  # which whole-model steps ran, and why others did not

@@ -112,7 +112,8 @@ class LayerStream:
         a (query, key) tuple for a sparse Align. The explicit additive causal mask (with the layer's sliding window)
         serves every attention backend."""
         seq_len, home = hidden.shape[1], hidden.device
-        mask = causal_mask(seq_len, device=self.device, window=layer.self_attn.sliding_window)
+        window = layer.self_attn.sliding_window if layer.self_attn is not None else None  # None: attention dropped
+        mask = causal_mask(seq_len, device=self.device, window=window)
         cos_sin = self.cos_sin(seq_len, layer.layer_idx)  # of the layer's attention type
         positions = torch.arange(seq_len, device=self.device).unsqueeze(0)
         outputs, passed = [], []

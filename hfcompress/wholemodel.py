@@ -1,4 +1,5 @@
-"""The steps that need a whole model in memory: distillation (finishers), the factual probe, the speed comparison.
+"""The steps that need a whole model in memory: distillation (finishers), the factual probe, the speed comparison, the
+training-free peers (peers.py).
 
 They run after the streamed conversion, on the main process, when the model fits; `decide` settles that before any
 work. An option left at its default (`--probe`/`--speed` not given) is skipped with a notice when the model does not
@@ -24,13 +25,14 @@ from .errors import HfcompressError
 from .families import family_of
 from .memory import available_memory
 from .methods import Finisher
+from .peers import compute_peers
 from .probe import run_probe
 from .progress import console
 from .speed import measure_speed
 from .validate import PerplexityResult, perplexity
 
 MEMORY_FRACTION = 0.8  # of the memory free when the run starts
-FOOTPRINT = {"probe": 1.3, "speed": 1.3, "distill": 3.5}  # multiples of the float32 model each step needs
+FOOTPRINT = {"probe": 1.3, "speed": 1.3, "peers": 1.3, "distill": 3.5}  # multiples of the float32 model each step needs
 
 
 @dataclass
@@ -38,6 +40,7 @@ class WholeModelResults:
     finished: dict = field(default_factory=dict)  # finisher name -> record
     probe: dict = field(default_factory=dict)
     speed: dict | None = None
+    peers: dict | None = None
     expected_logits: torch.Tensor | None = None  # of the finished model on the reload prompt
     converted_perplexity: dict[str, PerplexityResult] = field(default_factory=dict)  # of the finished model, per text
     layers_dir: Path | None = None  # where the layer files to write are (the finished ones when a finisher ran)
@@ -47,6 +50,7 @@ class WholeModelResults:
 class WholeModelSteps:
     probe: bool
     speed: bool
+    peers: bool
     finishers: list[Finisher]
     model_bytes: int
     available: int
@@ -71,7 +75,7 @@ class WholeModelSteps:
                 skipped[finisher.name] = f"the whole model does not fit in {where}"
                 console.log(f"[yellow]{finisher.name} skipped: {skipped[finisher.name]}[/]")
             finishers = []
-        for step, asked in (("probe", options.probe), ("speed", options.speed)):
+        for step, asked in (("probe", options.probe), ("speed", options.speed), ("peers", options.peers)):
             if asked is False:
                 skipped[step] = "turned off"
             elif fits(step):
@@ -81,16 +85,20 @@ class WholeModelSteps:
             else:
                 skipped[step] = f"the whole model does not fit in {where}"
                 console.log(f"[yellow]{step} skipped: {skipped[step]}[/]")
-        return cls(chosen.get("probe", False), chosen.get("speed", False), finishers, model_bytes, available, skipped)
+        return cls(
+            chosen.get("probe", False), chosen.get("speed", False), chosen.get("peers", False), finishers, model_bytes,
+            available, skipped,
+        )  # fmt: skip
 
     def describe(self) -> dict:
-        ran = [name for name, on in (("probe", self.probe), ("speed", self.speed)) if on] + [f.name for f in self.finishers]
+        steps = (("probe", self.probe), ("speed", self.speed), ("peers", self.peers))
+        ran = [name for name, on in steps if on] + [f.name for f in self.finishers]
         return {"ran": ran, "skipped": self.skipped, "model_float32_mb": round(self.model_bytes / 2**20, 1)}
 
     def run(self, run, checkpoint: Checkpoint, source_config, config, work: Path, layer_files: list[str], tokenizer,
             data: DistillData, probe_ids: torch.Tensor) -> WholeModelResults:
         results = WholeModelResults(layers_dir=work)
-        if not (self.probe or self.speed or self.finishers):
+        if not (self.probe or self.speed or self.peers or self.finishers):
             return results
         _, causal_lm = family_of(source_config).transformers_classes()  # the teacher, in transformers' own classes
         with run.step("whole model: load the original"):
@@ -101,6 +109,13 @@ class WholeModelSteps:
         if self.probe:
             with run.step("validate: factual probe (original)"):
                 results.probe["original"] = _probe_record(run_probe(original.to(run.device), tokenizer))
+                original.to("cpu")
+        if self.peers:
+            with run.step("validate: training-free peers"):
+                results.peers = compute_peers(
+                    original.to(run.device), config, run.sequences, data.evaluations, run.options.eval_context,
+                    run.options.eval_tokens, data.prefix,
+                )  # fmt: skip
                 original.to("cpu")
         if self.speed:
             with run.step("validate: speed"):

@@ -169,6 +169,148 @@ def bind_sliding_windows(cache: Cache, sliding_window: int) -> None:
             layer.bind_window(sliding_window)
 
 
+# Quantized cache: generate(cache_implementation="quantized", cache_config={"backend": "quanto" | "hqq" | "fp8", "nbits":
+# ...}) builds a LisaQuantizedCache (LisaForCausalLM._prepare_cache_for_generation): transformers' QuantizedCache takes
+# full-attention layers only, and its group-wise quantizers group each token's head vector along the last axis, which a
+# low-rank key of width r (e.g. 20) does not fill for a group of 64. Full-attention layers keep transformers' quantized
+# layers; a LISA layer groups its low-rank keys along the tokens instead (one scale and zero per channel and
+# q_group_size tokens, KIVI's key layout: any r fits, nothing is padded) and its values as transformers' layers do (per
+# token along head_dim, axis_value); the positions past the last whole group of tokens stay in full precision (the
+# residual window), and each flush quantizes only the new whole groups (nothing is quantized twice). fp8 is per tensor:
+# transformers' Fp8QuantizedLayer takes any width. A dropped-attention layer stays a DummyLayer (it stores nothing).
+from transformers.cache_utils import Fp8QuantizedLayer, HQQQuantizedLayer, QuantoQuantizedLayer  # noqa: E402
+
+
+class LisaQuantizedLayerMixin:
+    """The LISA half of a group-wise quantized cache layer (keys (B, Hk, T, r) grouped along T, values (B, KV, T, d) as
+    the backend's layer groups them); `key_group_axis` is the backend's axis whose groups are contiguous in memory."""
+
+    key_group_axis: int
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.chunks = []  # per flush: [quantized keys or None (r = 0), quantized values, pending beam index or None]
+
+    def quantize_chunk(self, keys: torch.Tensor, values: torch.Tensor) -> list:
+        # (B, Hk, n, r) -> (B, Hk, r, n), n a multiple of the group: each group is q_group_size tokens of one channel
+        q_keys = self._quantize(keys.transpose(-1, -2).contiguous(), axis=self.key_group_axis) if keys.shape[-1] else None
+        return [q_keys, self._quantize(values.contiguous(), axis=self.axis_value), None, keys.shape]
+
+    def dequantize_chunk(self, chunk: list) -> tuple[torch.Tensor, torch.Tensor]:
+        q_keys, q_values, beam_idx, key_shape = chunk
+        keys = self._dequantize(q_keys).transpose(-1, -2) if q_keys is not None else self.keys.new_zeros(key_shape)
+        values = self._dequantize(q_values)
+        if beam_idx is not None:
+            keys, values = keys.index_select(0, beam_idx), values.index_select(0, beam_idx)
+        return keys, values
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.cumulative_length += key_states.shape[-2]
+        prefill = not self.is_initialized
+        if prefill:
+            self.lazy_initialization(key_states, value_states)
+        stored = [self.dequantize_chunk(chunk) for chunk in self.chunks]
+        keys = torch.cat([self.keys, key_states], dim=-2)
+        values = torch.cat([self.values, value_states], dim=-2)
+        # the prefill is quantized at once (as transformers' layers do), later tokens once the window is full
+        flush = keys.shape[-2] // self.q_group_size * self.q_group_size
+        if flush and (prefill or keys.shape[-2] >= self.residual_length):
+            self.chunks.append(self.quantize_chunk(keys[..., :flush, :], values[..., :flush, :]))
+            self.keys, self.values = keys[..., flush:, :].clone(), values[..., flush:, :].clone()
+        else:
+            self.keys, self.values = keys, values
+        if prefill:  # the prefill attends to its own states unrounded (as transformers' layers)
+            return key_states, value_states
+        return (
+            torch.cat([*(k for k, _ in stored), keys], dim=-2),
+            torch.cat([*(v for _, v in stored), values], dim=-2),
+        )
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: the quantized chunks keep a pending index (applied on dequantization, never re-quantized)."""
+        if not self.is_initialized:
+            return
+        for chunk in self.chunks:
+            idx = beam_idx.to(self.device)
+            chunk[2] = idx.clone() if chunk[2] is None else chunk[2].index_select(0, idx)
+        self.keys = self.keys.index_select(0, beam_idx.to(self.keys.device))
+        self.values = self.values.index_select(0, beam_idx.to(self.values.device))
+
+    def reset(self) -> None:
+        super().reset()
+        self.chunks = []
+
+
+class LisaQuantoLayer(LisaQuantizedLayerMixin, QuantoQuantizedLayer):
+    """A LISA layer's cache quantized by optimum-quanto (2 or 4 bits)."""
+
+    key_group_axis = 0  # quanto's axis 0 groups q_group_size consecutive elements
+
+
+class LisaHQQLayer(LisaQuantizedLayerMixin, HQQQuantizedLayer):
+    """A LISA layer's cache quantized by HQQ (1, 2, 3, 4 or 8 bits)."""
+
+    key_group_axis = 1  # HQQ's axis 1 groups q_group_size consecutive elements
+
+
+# backend -> (full-attention layer, LISA layer)
+QUANTIZED_LAYERS = {
+    "quanto": (QuantoQuantizedLayer, LisaQuantoLayer),
+    "hqq": (HQQQuantizedLayer, LisaHQQLayer),
+    "fp8": (Fp8QuantizedLayer, Fp8QuantizedLayer),
+}
+
+
+class LisaQuantizedCache(Cache):
+    """transformers' QuantizedCache for a LISA model (same arguments): full-attention layers get the backend's own
+    quantized layer, LISA layers its LISA variant (above), dropped-attention layers a DummyLayer. Sliding-window layers
+    are refused, as transformers' QuantizedCache refuses them."""
+
+    def __init__(
+        self, backend: str, config, nbits: int | None = None, axis_key: int | None = None,
+        axis_value: int | None = None, q_group_size: int | None = None, residual_length: int | None = None,
+    ):  # fmt: skip
+        if backend not in QUANTIZED_LAYERS:
+            raise ValueError(f"Unknown quantization backend `{backend}`: one of {sorted(QUANTIZED_LAYERS)}.")
+        options = dict(
+            nbits=nbits, axis_key=axis_key, axis_value=axis_value, q_group_size=q_group_size,
+            residual_length=residual_length,
+        )  # fmt: skip
+        options = {name: value for name, value in options.items() if value is not None}
+        if backend == "fp8" and options:
+            raise ValueError(f"The `fp8` backend quantizes per tensor and takes none of {sorted(options)}.")
+        full, lisa = QUANTIZED_LAYERS[backend]
+        layers = []
+        for idx, layer_type in enumerate(config.get_text_config(decoder=True).layer_types):
+            if layer_type in ("full_attention", "lisa_attention"):
+                layers.append((full if layer_type == "full_attention" else lisa)(**options))
+            elif DYNAMIC_LAYER_TYPE_MAPPING.get(layer_type) is DummyLayer:
+                layers.append(DummyLayer())
+            else:
+                raise ValueError(
+                    f"The quantized cache takes full-attention layers only (as transformers' QuantizedCache); layer "
+                    f"{idx} is {layer_type!r}."
+                )
+        super().__init__(layers=layers)
+
+
+def prepare_quantized_cache(model, generation_config, model_kwargs: dict) -> bool:
+    """generate's cache for cache_implementation="quantized" (cache_config as transformers reads it): a
+    LisaQuantizedCache in model_kwargs["cache"]; False (nothing done) for every other case, which transformers handles."""
+    if (
+        generation_config.cache_implementation != "quantized" or model_kwargs.get("cache") is not None
+        or generation_config.use_cache is False
+    ):  # fmt: skip
+        return False
+    cache_config = dict(generation_config.cache_config or {})  # generate may be called again with the same config
+    cache_config.setdefault("config", model.config.get_text_config(decoder=True))
+    backend = cache_config.pop("backend", "quanto")
+    model_kwargs["cache"] = LisaQuantizedCache(backend, **cache_config)
+    return True
+
+
 class FascLinear(nn.Module):
     """Low-rank factorised linear `y = A (B x) + b`: `proj_in` is B (rank x in), `proj_out` is A (out x rank)."""
 
@@ -649,6 +791,8 @@ class LisaDecoderLayer(GradientCheckpointingLayer):
     attention_class: type[nn.Module] = LisaAttention
     mlp_class: type[nn.Module]
     norm_class: type[nn.Module]
+    # the submodules a dropped attention takes with it (Llama's post_attention_layernorm is the MLP's input norm)
+    attention_parts: tuple[str, ...] = ("self_attn", "input_layernorm")
 
     def __init__(self, config, layer_idx: int):
         super().__init__()
@@ -657,9 +801,7 @@ class LisaDecoderLayer(GradientCheckpointingLayer):
         lisa = config.lisa_layers.get(str(layer_idx))
         self.is_lisa = lisa is not None
         self.attention_free = layer_idx in config.dropped_attention_layers
-        if self.attention_free:
-            self.self_attn = self.input_layernorm = None
-        elif self.is_lisa:
+        if self.is_lisa:
             self.self_attn = LisaSharedAttention(
                 config, layer_idx, int(lisa["rank"]), int(lisa.get("align_hidden", 0)), lisa.get("align", "dense"),
                 int(lisa.get("key_heads", config.num_attention_heads)),
@@ -667,10 +809,12 @@ class LisaDecoderLayer(GradientCheckpointingLayer):
         else:
             self.self_attn = self.attention_class(config, layer_idx)
         self.mlp = self.mlp_class(config)
-        if not self.attention_free:
-            self.input_layernorm = self.norm_class(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = self.norm_class(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = self.norm_class(config.hidden_size, eps=config.rms_norm_eps)
         factorise_linears(self, config, layer_idx)
+        if self.attention_free:
+            for part in self.attention_parts:
+                setattr(self, part, None)
 
     def forward(
         self,
@@ -866,6 +1010,12 @@ class LisaForCausalLM(LisaPreTrainedModel, GenerationMixin):
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs):
+        """cache_implementation="quantized" builds a LisaQuantizedCache (transformers' QuantizedCache refuses the LISA and
+        dropped-attention layer types); every other cache is transformers' choice."""
+        if not prepare_quantized_cache(self, generation_config, model_kwargs):
+            super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @can_return_tuple

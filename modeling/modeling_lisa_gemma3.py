@@ -84,13 +84,12 @@ class LisaGemma3DecoderLayer(LisaDecoderLayer):
     attention_class = LisaGemma3Attention
     mlp_class = Gemma3MLP
     norm_class = Gemma3RMSNorm
+    attention_parts = ("self_attn", "input_layernorm", "post_attention_layernorm")  # the norm of its output too
 
     def __init__(self, config: LisaGemma3Config, layer_idx: int):
         super().__init__(config, layer_idx)
         self.pre_feedforward_layernorm = Gemma3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_feedforward_layernorm = Gemma3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        if self.attention_free:  # its norm of the attention's output goes with the attention
-            self.post_attention_layernorm = None
 
     def after_attention(self, residual: torch.Tensor, attn_out: torch.Tensor | None) -> torch.Tensor:
         hidden_states = residual if attn_out is None else residual + self.post_attention_layernorm(attn_out)

@@ -1,0 +1,274 @@
+"""Step "peers": what a user could do instead of this conversion, computed on the same model, texts and windows.
+
+At the conversion's own KV saving (the KV values a token its layers cache, against the original's), side by side:
+- attention drop (ShortGPT-style block influence, no training): the attention sub-block of the k layers whose
+  attention changes the residual stream least, BI = 1 - cos(h, h + attn(h)), is removed;
+- layer drop (ShortGPT): the k whole layers of lowest BI = 1 - cos(layer input, layer output) are removed;
+- the original with a 4-bit KV cache (transformers' QuantizedCache, quanto backend, its defaults: groups of 64 values,
+  the last 128 tokens kept in full precision), where optimum-quanto is installed.
+k is the fewest layers that save at least the conversion's KV values a token, and, where it saves less, one fewer.
+The original runs in transformers' own classes; a removed block is a forward hook (its output zeroed, or the layer's
+input passed through), so every peer is exactly that model, nothing approximated. Block influence is measured on the
+first calibration sequences, as ShortGPT does.
+
+A peer dominates the conversion when it saves at least as much KV cache and its perplexity is no higher on every gated
+text; the pipeline says so on the console and in the card instead of presenting a dominated model as a result.
+"""
+
+import math
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from .progress import console, progress_bar
+from .validate import perplexity
+
+INFLUENCE_SEQUENCES = 8  # calibration sequences block influence is measured on
+KV_BITS = 4
+KV_CHUNK = 64  # tokens per forward call of the quantized-cache perplexity: queries read the quantized keys
+
+
+@dataclass
+class Peer:
+    name: str
+    kind: str  # original | conversion | attention-drop | layer-drop | kv-quantized
+    kv_ratio: float  # KV cache bytes a token, relative to the original's
+    perplexity: dict[str, float]  # gated text -> perplexity
+    layers: list[int] = field(default_factory=list)  # the layers it removes (attention or whole)
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def kv_values_per_token(config) -> int:
+    """KV cache values a token a model of `config` keeps (a converted config: shared layers low-rank K and V, dropped
+    layers none; a transformers config: K and V of every layer)."""
+    kv = config.num_key_value_heads * config.head_dim
+    lisa = getattr(config, "lisa_layers", None) or {}
+    dropped = set(getattr(config, "dropped_attention_layers", None) or [])
+    total = 0
+    for idx in range(config.num_hidden_layers):
+        if idx in dropped:
+            continue
+        spec = lisa.get(str(idx))
+        total += 2 * kv if spec is None else int(spec.get("key_heads", config.num_attention_heads)) * int(spec["rank"]) + kv
+    return total
+
+
+def layer_output(output):
+    return output[0] if isinstance(output, tuple) else output
+
+
+@torch.no_grad()
+def block_influence(model: nn.Module, sequences: torch.Tensor) -> tuple[list[float], list[float]]:
+    """Per layer of transformers' `model`: (attention BI, layer BI), each the mean over tokens of 1 - cos(before,
+    after) of the residual stream across the attention sub-block and across the whole layer."""
+    layers = model.model.layers
+    stats = {i: {"input": None, "attention": None, "output": None} for i in range(len(layers))}
+    hooks = []
+    for i, layer in enumerate(layers):
+        def grab_input(module, args, kwargs, i=i):
+            stats[i]["input"] = (args[0] if args else kwargs["hidden_states"]).float()
+
+        def grab_attention(module, args, output, i=i):
+            stats[i]["attention"] = layer_output(output).float()
+
+        def grab_output(module, args, output, i=i):
+            stats[i]["output"] = layer_output(output).float()
+
+        hooks += [
+            layer.register_forward_pre_hook(grab_input, with_kwargs=True),
+            layer.self_attn.register_forward_hook(grab_attention),
+            layer.register_forward_hook(grab_output),
+        ]
+    sums = torch.zeros(len(layers), 2, dtype=torch.float64)
+    try:
+        for ids in sequences[:INFLUENCE_SEQUENCES]:
+            model(ids.unsqueeze(0).to(model.device), use_cache=False)
+            for i, s in stats.items():
+                h = s["input"]
+                # Gemma 3 normalises the attention output before the residual add: measure what is added
+                added = attention_added(layers[i], s["attention"])
+                sums[i, 0] += (1 - nn.functional.cosine_similarity(h, h + added, dim=-1)).mean().item()
+                sums[i, 1] += (1 - nn.functional.cosine_similarity(h, s["output"], dim=-1)).mean().item()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    sums /= min(len(sequences), INFLUENCE_SEQUENCES)
+    return sums[:, 0].tolist(), sums[:, 1].tolist()
+
+
+def attention_added(layer: nn.Module, attention: torch.Tensor) -> torch.Tensor:
+    """What the attention sub-block adds to the residual stream (Gemma 3 normalises its output first)."""
+    if hasattr(layer, "pre_feedforward_layernorm"):
+        return layer.post_attention_layernorm(attention)
+    return attention
+
+
+@contextmanager
+def removed(model: nn.Module, attention: list[int] = (), layers: list[int] = ()) -> Iterator[None]:
+    """`model` with the attention sub-block of `attention` and the whole of `layers` removed, by forward hooks."""
+
+    def zero_attention(module, args, output):
+        out = layer_output(output)
+        zeros = torch.zeros_like(out)
+        return (zeros, *output[1:]) if isinstance(output, tuple) else zeros
+
+    def pass_through(module, args, kwargs, output):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+    blocks = model.model.layers
+    hooks = [blocks[i].self_attn.register_forward_hook(zero_attention) for i in attention]
+    hooks += [blocks[i].register_forward_hook(pass_through, with_kwargs=True) for i in layers]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+@torch.no_grad()
+def quantized_cache_perplexity(
+    model: nn.Module, ids: torch.Tensor, context: int, max_tokens: int | None, prefix: list[int], nbits: int = KV_BITS
+) -> tuple[float, float]:  # fmt: skip
+    """(perplexity, KV bytes a token relative to the unquantized cache) of `model` reading its keys and values back
+    from transformers' quantized cache (quanto): each window of `context` tokens is fed KV_CHUNK tokens at a time, so
+    every query after the first chunk attends to quantized keys, as in generation."""
+    from transformers import QuantizedCache
+
+    ids = ids[:max_tokens] if max_tokens else ids
+    body = context - len(prefix)
+    head = torch.tensor(list(prefix), dtype=ids.dtype)
+    nll, count, ratio = 0.0, 0, None
+    for begin in progress_bar(range(0, max(1, len(ids) - (0 if prefix else 1)), body), f"peers: {nbits}-bit KV cache"):
+        window = torch.cat([head, ids[begin : begin + body]]).unsqueeze(0).to(model.device)
+        cache = QuantizedCache(backend="quanto", config=model.config, nbits=nbits)
+        logits = torch.cat(
+            [model(window[:, s : s + KV_CHUNK], cache=cache, use_cache=True).logits.float() for s in range(0, window.shape[1], KV_CHUNK)],
+            dim=1,
+        )
+        scored = nn.functional.cross_entropy(logits[0, :-1], window[0, 1:], reduction="none")
+        nll, count = nll + scored.sum().item(), count + scored.numel()
+        if ratio is None and window.shape[1] > cache.layers[0].residual_length:
+            ratio = quantized_bytes_ratio(cache, window.shape[1], model.dtype)
+    return math.exp(nll / count), ratio if ratio is not None else 1.0
+
+
+def quantized_bytes_ratio(cache, tokens: int, dtype: torch.dtype) -> float:
+    """Bytes the quantized cache holds (packed values, scales, zero points, the full-precision residual window) over
+    the bytes the same tokens take unquantized in `dtype`."""
+    held = plain = 0
+    for layer in cache.layers:
+        for quantized, residual in ((layer._quantized_keys, layer.keys), (layer._quantized_values, layer.values)):
+            held += tensor_bytes(quantized) + tensor_bytes(residual)
+            plain += layer.cumulative_length * quantized.shape[1] * quantized.shape[-1] * quantized.shape[0] * dtype.itemsize
+    return held / plain
+
+
+def tensor_bytes(tensor) -> int:
+    """Storage bytes of a tensor, or of a quanto quantized tensor's inner tensors (packed data, scale, shift)."""
+    if tensor is None:
+        return 0
+    if hasattr(tensor, "__tensor_flatten__") and type(tensor) is not torch.Tensor:
+        names, _ = tensor.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(tensor, name)) for name in names)
+    return tensor.numel() * tensor.element_size()
+
+
+def fewest_layers_saving(saved: int, per_layer: int) -> list[int]:
+    """The layer counts k whose removal brackets a saving of `saved` values a token: ceil, and floor where it is > 0."""
+    if saved <= 0:
+        return []
+    ceil, floor = math.ceil(saved / per_layer), saved // per_layer
+    return sorted({ceil, floor} - {0})
+
+
+def quanto_available() -> bool:
+    try:
+        import optimum.quanto  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def compute_peers(
+    original: nn.Module, converted_config, sequences: torch.Tensor, evaluations: dict[str, torch.Tensor],
+    context: int, max_tokens: int | None, prefix: list[int],
+) -> dict:  # fmt: skip
+    """The peers at the conversion's KV saving (see the module docstring), each scored on every gated text; the
+    original in transformers' classes on its device. Returns the report section."""
+    config = original.config
+    kept = kv_values_per_token(config)
+    saved = kept - kv_values_per_token(converted_config)
+    per_layer = 2 * config.num_key_value_heads * config.head_dim
+    started = time.perf_counter()
+    attention_bi, layer_bi = block_influence(original, sequences)
+    ranked_attention = sorted(range(1, len(attention_bi)), key=lambda i: attention_bi[i])
+    ranked_layers = sorted(range(1, len(layer_bi)), key=lambda i: layer_bi[i])
+    influence_seconds = time.perf_counter() - started
+
+    def scored(label: str) -> dict[str, float]:
+        return {
+            text: perplexity(original, ids.to(original.device), context, max_tokens=max_tokens, label=f"peers: {label} ({text.split(' (')[0]})", prefix=prefix).perplexity
+            for text, ids in evaluations.items()
+        }  # fmt: skip
+
+    peers = []
+    for k in fewest_layers_saving(saved, per_layer):
+        for kind, ranked in (("attention-drop", ranked_attention), ("layer-drop", ranked_layers)):
+            layers = sorted(ranked[:k])
+            start = time.perf_counter()
+            with removed(original, **({"attention": layers} if kind == "attention-drop" else {"layers": layers})):
+                values = scored(f"{kind} {k}")
+            what = ("attention block" if kind == "attention-drop" else "layer") + ("s" if k > 1 else "")
+            peers.append(Peer(f"drop {k} {what} (ShortGPT BI)", kind, (kept - k * per_layer) / kept, values, layers, round(time.perf_counter() - start + influence_seconds, 1)))
+    skipped = None
+    if quanto_available():
+        start = time.perf_counter()
+        values, ratio = {}, 1.0
+        for text, ids in evaluations.items():
+            values[text], ratio = quantized_cache_perplexity(original, ids, context, max_tokens, prefix)
+        peers.append(Peer(f"{KV_BITS}-bit KV cache (quanto)", "kv-quantized", ratio, values, [], round(time.perf_counter() - start, 1)))
+    else:
+        skipped = "the 4-bit KV cache peer needs optimum-quanto: pip install optimum-quanto"
+    return {
+        "kv_values_per_token": {"original": kept, "converted": kept - saved},
+        "block_influence": {"attention": attention_bi, "layer": layer_bi, "sequences": min(len(sequences), INFLUENCE_SEQUENCES)},
+        "peers": [p.to_dict() for p in peers],
+        "skipped": skipped,
+    }
+
+
+DROP_KINDS = ("attention-drop", "layer-drop")  # the training-free peers a conversion must beat at its own saving
+
+
+def dominating(section: dict, converted: dict[str, float]) -> list[dict]:
+    """The dropping peers that save at least the conversion's KV cache with a perplexity no higher on every gated text.
+    (A quantized KV cache is not a rival but a partner: it stacks with the conversion's saving.)"""
+    values = section["kv_values_per_token"]
+    own_ratio = values["converted"] / values["original"]
+    return [
+        peer for peer in section["peers"]
+        if peer["kind"] in DROP_KINDS and peer["kv_ratio"] <= own_ratio + 1e-9
+        and all(peer["perplexity"][t] <= converted[t] for t in converted)
+    ]  # fmt: skip
+
+
+def log_verdict(section: dict, converted: dict[str, float]) -> list[dict]:
+    """Say on the console whether a training-free peer dominates the conversion; returns the dominating peers."""
+    beaten = dominating(section, converted)
+    if beaten:
+        names = "; ".join(beaten_peer["name"] for beaten_peer in beaten)
+        console.log(
+            f"[yellow]peers: this conversion is dominated: {names} saves at least as much KV cache with no higher "
+            "perplexity on every gated text (see the card's trade-off table)[/]"
+        )
+    else:
+        console.log("peers: no training-free peer at this KV saving matches the conversion's perplexity on every gated text")
+    return beaten

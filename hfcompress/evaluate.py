@@ -78,9 +78,16 @@ def evaluate(
     trust_remote_code: bool,
     lm_eval: LmEvalOptions | None = None,
     command: str = "",
+    engine: str = "transformers",
 ) -> dict:
     models = {}
     check_model_argument(model_name, trust_remote_code)  # a missing or plain directory: before anything loads
+    if engine not in ("transformers", "vllm"):
+        raise HfcompressError(f"--engine must be transformers or vllm, got {engine!r}.")
+    if engine == "vllm":  # vLLM's environment exists: before anything loads
+        from .vllm_engine import vllm_python
+
+        vllm_python()
     check_text_option(eval_text, "evaluation")  # a bad text option fails before any model loads
     check_text_option(ood_text, "other-domain")
     report_path = Path(model_name) / REPORT_FILE
@@ -103,8 +110,16 @@ def evaluate(
     other = other_domain_ids(tokenizer, ood_text, calibration)
     result: dict = {"eval_text": text_name, "other_domain_text": other[1] if other else None, "models": {}}
     for name, model in models.items():
-        entry = {"perplexity": perplexity(model, ids, context, stride, eval_tokens, label=f"perplexity: {name}", prefix=prefix).to_dict()}
-        if other:
+        if name == "model" and engine == "vllm":  # the served model's prompt log-probs (hfcompress.vllm_engine)
+            from .vllm_engine import vllm_perplexities
+
+            served = vllm_perplexities(model_name, [ids, *([other[0]] if other else [])], context, stride, eval_tokens, prefix)
+            entry = {"engine": "vllm", "perplexity": served[0].to_dict()}
+            if other:
+                entry["other_domain_perplexity"] = served[1].to_dict()
+        else:
+            entry = {"perplexity": perplexity(model, ids, context, stride, eval_tokens, label=f"perplexity: {name}", prefix=prefix).to_dict()}
+        if other and "other_domain_perplexity" not in entry:
             entry["other_domain_perplexity"] = perplexity(
                 model, other[0], context, stride, eval_tokens, label=f"perplexity: {name}, other domain", prefix=prefix
             ).to_dict()

@@ -565,9 +565,37 @@ STACKED = (  # (checkpoint name part, vLLM parameter name part, shard id)
 )
 
 
+def patch_kv_sharing_with_mixed_head_sizes() -> None:
+    """vLLM 0.32 adds a KV-sharing layer to its target's cache group by name only; when the group mixes head sizes (a
+    UniformTypeKVCacheSpecs: plain layers of head size d next to a LISA group's root of size P) the runner then looks
+    the sharing layer's spec up and fails (KeyError). Give the sharing layer its target's spec too (idempotent; only in
+    a process that loads a converted model)."""
+    import sys
+
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    for module_name in ("vllm.v1.worker.utils", "vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.attn_utils"):
+        module = sys.modules.get(module_name)
+        original = getattr(module, "add_kv_sharing_layers_to_kv_cache_groups", None)
+        if original is None or getattr(original, "hfcompress_patched", False):
+            continue
+
+        def patched(shared_kv_cache_layers, kv_cache_groups, *args, _original=original, **kwargs):
+            _original(shared_kv_cache_layers, kv_cache_groups, *args, **kwargs)
+            for layer_name, target in shared_kv_cache_layers.items():
+                for group in kv_cache_groups:
+                    spec = group.kv_cache_spec
+                    if isinstance(spec, UniformTypeKVCacheSpecs) and target in spec.kv_cache_specs:
+                        spec.kv_cache_specs.setdefault(layer_name, spec.kv_cache_specs[target])
+
+        patched.hfcompress_patched = True
+        setattr(module, "add_kv_sharing_layers_to_kv_cache_groups", patched)
+
+
 class LisaForCausalLM(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
+        patch_kv_sharing_with_mixed_head_sizes()
         if get_tensor_model_parallel_world_size() != 1:
             raise UnservableModel("the hfcompress vLLM plugin serves with tensor_parallel_size=1 only")
         config = vllm_config.model_config.hf_config

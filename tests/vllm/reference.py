@@ -83,7 +83,8 @@ def convert_in_memory(original, lisa: list[int], cross_groups: bool, fasc: dict[
 
     cfg = original.config
     heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
-    spec = {str(i): {"rank": 8 if heads * 8 < 200 else 20, "align": "sparse", "align_hidden": 0, "key_heads": kv} for i in lisa}
+    rank = 20 if cfg.hidden_size >= 256 else 8  # SmolLM2: the converter's default rank (keys per KV group)
+    spec = {str(i): {"rank": rank, "align": "sparse", "align_hidden": 0, "key_heads": kv} for i in lisa}
     entries = {"lisa_layers": spec, "fasc_ranks": fasc}
     if dropped:
         entries["dropped_attention_layers"] = dropped

@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from conftest import HERE, build_references, serve  # noqa: E402
+from helpers_vllm import HERE, build_references, serve  # noqa: E402
 
 TINY = ["llama", "llama-own", "mistral", "qwen2", "qwen3", "gemma3"]
 

@@ -72,6 +72,13 @@ def push_folder(
 
     try:
         return with_retries(attempt, f"push to {repo_id}")
+    except ConnectionError as err:  # huggingface_hub's OfflineModeIsEnabled (HF_HUB_OFFLINE), a dropped socket
+        later = push_command(directory, repo_id, private, force)
+        raise HfcompressError(
+            f"Push to {repo_id} failed ({type(err).__name__}: the Hub cannot be reached from here); the converted model "
+            f"is kept in {directory}: push it later with `{later}`.",
+            exit_code=PUSH_FAILED_EXIT,
+        ) from err
     except (HfHubHTTPError, httpx2.TransportError) as err:
         later = push_command(directory, repo_id, private, force)
         if status_code(err) in (401, 403):

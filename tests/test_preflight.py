@@ -349,3 +349,15 @@ def test_disk_filling_up_during_the_run(warm, tmp_path, limit_kb, needle):
     assert digest(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "o"]  # no .o.partial-*, .o.old-*, .o.lock, probe
     assert not [p for p in (tmp_path / "cache").rglob("*") if ".partial-" in p.name]  # no half-written cache file
+
+
+def test_push_command_offline_keeps_the_output_and_gives_the_line(tiny_llama_dir, tmp_path, monkeypatch):
+    """`hfcompress push` with HF_HUB_OFFLINE=1 (set for this test by conftest): the push's exit code and its line,
+    not "check free space and permissions" (exit 1)."""
+    out = tmp_path / "tiny-lisa"
+    shutil.copytree(tiny_llama_dir, out)
+    (out / "hfcompress_report.json").write_text(json.dumps({"validation": {"gate_passed": True}}))
+    (out / "README.md").write_text("# tiny-lisa\n")
+    monkeypatch.setenv("HF_TOKEN", "hf_" + "a" * 34)
+    result = runner.invoke(app, ["push", str(out), f"{HUB_USER}/tiny-lisa"])
+    refused(result, 4, "OfflineModeIsEnabled", f"hfcompress push {out} {HUB_USER}/tiny-lisa")

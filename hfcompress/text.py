@@ -11,20 +11,35 @@
   markup is stripped with mwparserfromhell; tables, image captions, categories and the reference/link sections at
   each article's end are dropped: 3.1 MB of prose, ~736k SmolLM2 tokens, so the anchors' calibration sizes (GPTQ's
   128 x 2,048) fit in it. Calibration reads its first 75%, evaluation its held-out last 25%.
+* `mix`: a mixture of every real English domain the install carries, in equal shares: `wiki` (encyclopedic), the
+  `news` corpus below, the Python language reference (`builtin`: a language's documentation) and 200 Usenet posts
+  (alt.atheism and sci.space, 1993: conversational; the 20 Newsgroups sample gensim ships as test data). Each domain
+  is split on its own: its first 75% is calibration text, its last 25% held out. The calibration parts are cut into
+  512-token blocks, shuffled within each domain and interleaved in rounds (one block of every domain a round, the
+  order drawn with --seed), so calibration sequences, the layer-selection text after them and distillation windows
+  all come from every domain in equal shares; the held-out parts are interleaved the same way, in order and
+  seed-independent, and are what evaluation scores. No held-out block is in any calibration step. gensim is a
+  dependency, so a plain install has all four; without it the mixture is the Python language reference alone (said
+  on the console and in the name, which lists the domains).
 * a FILE: UTF-8 text. As calibration text its first 75% is used; as evaluation text all of it.
 * `hf:OWNER/NAME[:CONFIG]`: the `text` column of any `datasets` dataset on the Hub (train split for calibration,
   test split for evaluation), pinned to the commit the Hub names at load time.
-* `auto` (the default): wikitext-2 when the Hub answers, else `wiki` (the same kind of text, offline; `builtin` where
-  gensim or mwparserfromhell is missing); for evaluation: the held-out last 25% of the calibration text. Calibration
+* `auto` (the default): wikitext-2 when the Hub answers, else `mix` (offline); for evaluation: the held-out last 25%
+  of the calibration text (of each domain of the mixture). Calibration
   never sees the text perplexity is measured on. What the calibration text costs on other text, measured: README,
   "Calibration and evaluation text".
 
-`--ood-text` names a second evaluation text of another domain than calibration, scored whole:
-* `news` (what `auto` picks when it is installed): 300 ABC news articles, the background corpus of Lee, Pincombe and
-  Welsh (2005) that gensim ships as test data (`gensim/test/test_data/lee_background.cor`, ~78k SmolLM2 tokens;
-  `scripts/install.sh` installs the gensim wheel without its dependencies, only for this file, which is read, never
-  imported). News prose shares neither vocabulary nor register with the Python language reference.
-* a FILE, `builtin`, `wikitext-2` (its test split), or `none`.
+`--ood-text` names a second evaluation text of another domain than calibration, scored whole and gated like the first:
+* `numpy-docs` (what `auto` picks): technical documentation, the held-out third domain: the docstrings of NumPy's
+  public API (Examples and See Also sections dropped; ~207k SmolLM2 tokens with NumPy 2.4). No calibration text
+  contains it, so no step of any conversion (calibration, layer selection, distillation) saw it. NumPy comes with
+  every install.
+* `news`: 300 ABC news articles, the background corpus of Lee, Pincombe and
+  Welsh (2005) that gensim ships as test data (`gensim/test/test_data/lee_background.cor`, ~78k SmolLM2 tokens).
+  gensim is a dependency only for its data files (this one, the Wikipedia excerpt, the Usenet sample), which are
+  read, never imported. Part of `mix`: as --ood-text, for a calibration text without it.
+* `usenet` (the Usenet posts of `mix`), a FILE, `builtin`, `wiki`, `wikitext-2` (its test split), or `none`. A text
+  that is (part of) the calibration text is refused.
 """
 
 import importlib.util
@@ -42,6 +57,7 @@ from .errors import HfcompressError
 from .progress import console
 
 AUTO, BUILTIN, WIKI, WIKITEXT, NEWS, NONE = "auto", "builtin", "wiki", "wikitext-2", "news", "none"
+MIX, USENET, NUMPY_DOCS = "mix", "usenet", "numpy-docs"
 DATASET_PREFIX = "hf:"  # hf:REPO[:CONFIG], any `datasets` text dataset on the Hub
 BUILTIN_TEXT_NAME = "python-language-reference (pydoc_data.topics)"
 NEWS_TEXT_NAME = "lee-news (Lee et al. 2005 background corpus, 300 ABC news articles; gensim test data)"
@@ -50,6 +66,11 @@ WIKI_TEXT_NAME = "enwiki-sample (106 Wikipedia articles, a 2013 dump excerpt; ge
 WIKI_FILE = "gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 # headings after which a Wikipedia article is lists of references and links, not prose
 WIKI_END_SECTIONS = ("References", "External links", "See also", "Further reading", "Notes", "Bibliography", "Sources")
+USENET_TEXT_NAME = "usenet-sample (200 Usenet posts of alt.atheism and sci.space, 1993, headers dropped; the 20 Newsgroups sample gensim ships as test data)"
+USENET_FILE = "gensim/test/test_data/mini_newsgroup"
+# the mixture's domains, in this order (those installed): their short names (text before " (") make the mixture's name
+MIX_PREFIX = "mixture of "
+MIX_BLOCK_TOKENS = 512  # the mixture interleaves its domains in blocks of this many tokens (the default eval context)
 HELD_OUT_FRACTION = 0.25
 WIKITEXT_REPO, WIKITEXT_CONFIG = "Salesforce/wikitext", "wikitext-2-raw-v1"
 PROBE_TIMEOUT_S = 3.0  # "auto" asks the Hub once with this timeout, so a machine without network falls back at once
@@ -81,6 +102,7 @@ class Text:
     text: str
     held_out: bool
     dataset: HubDataset | None = None  # set for a Hub dataset split
+    parts: tuple["Text", ...] = ()  # a mixture (`mix`): its domains, each split 75% / 25% on its own (`mixture_split`)
 
 
 # text name -> its Hub dataset, for every dataset split loaded in this process: the report records it next to the name
@@ -142,10 +164,8 @@ def wiki_available() -> bool:
 
 
 def offline_text() -> "Text":
-    """What "auto" reads without the Hub: the Wikipedia excerpt (wikitext-2's domain), else the built-in text."""
-    if wiki_available():
-        return Text(WIKI_TEXT_NAME, wiki_text(), held_out=True)
-    return Text(BUILTIN_TEXT_NAME, builtin_text(), held_out=True)
+    """What "auto" reads without the Hub: the mixture of every installed domain (`mix`)."""
+    return mixture_text()
 
 
 def text_cache_dir() -> Path:
@@ -183,6 +203,202 @@ def wiki_text() -> str:
     with atomic_file(cached) as partial:  # a reader never sees half a file
         partial.write_text(text, encoding="utf-8")
     return text
+
+
+def news_text() -> Text:
+    """The Lee news corpus, whole (one article a line)."""
+    return Text(NEWS_TEXT_NAME, news_file().read_text(encoding="utf-8"), held_out=True)
+
+
+def usenet_file() -> Path | None:
+    """The 20 Newsgroups sample, or None without gensim."""
+    return gensim_data_file(USENET_FILE)
+
+
+class _Opaque:
+    """What the Usenet sample's pickle holds besides text (numpy label arrays): built, never used."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def __setstate__(self, state) -> None:
+        pass
+
+
+class _TextOnlyUnpickler:
+    """Reads gensim's pickled scikit-learn `Bunch` of newsgroup posts without importing scikit-learn or numpy: the
+    Bunch is read as a dict, every other class as `_Opaque`; nothing is called but dict, object and copyreg's
+    reconstructor, so the pickle runs no code."""
+
+    SAFE = {("copy_reg", "_reconstructor"), ("copyreg", "_reconstructor"), ("__builtin__", "dict"),
+            ("builtins", "dict"), ("__builtin__", "object"), ("builtins", "object")}
+
+    @classmethod
+    def load(cls, data: bytes) -> dict:
+        import io
+        import pickle
+
+        class Unpickler(pickle.Unpickler):
+            def find_class(self, module: str, name: str):
+                if (module, name) in cls.SAFE:
+                    return super().find_class(module, name)
+                return dict if name == "Bunch" else _Opaque
+
+        return Unpickler(io.BytesIO(data), encoding="latin1").load()
+
+
+def usenet_text() -> Text:
+    """200 Usenet posts (alt.atheism, sci.space; 1993): each post's Subject line, then its body (the header block up to
+    the first blank line dropped: paths, addresses, message ids). Conversational English, quotes and signatures
+    included."""
+    import zlib
+
+    source = usenet_file()
+    if source is None:
+        raise HfcompressError(f"'{USENET}': the Usenet sample comes with the gensim wheel, which is not installed: run `pip install gensim`.")
+    posts = []
+    for post in _TextOnlyUnpickler.load(zlib.decompress(source.read_bytes()))["data"]:
+        header, _, body = post.replace("\r\n", "\n").partition("\n\n")
+        subject = next((line[len("Subject:"):].strip() for line in header.splitlines() if line.startswith("Subject:")), "")
+        posts.append(f"{subject}\n\n{body.strip()}".strip())
+    return Text(USENET_TEXT_NAME, "\n\n".join(posts), held_out=True)
+
+
+def numpy_docs_name() -> str:
+    import numpy
+
+    return (
+        f"numpy-docs (NumPy {numpy.__version__} API reference: the docstrings of its public functions and classes, "
+        "Examples, See Also and doctests dropped; technical documentation)"
+    )
+
+
+def numpy_docs_text() -> Text:
+    """Technical documentation: the docstrings of NumPy's public API (numpy, linalg, fft, random, ma, polynomial,
+    char), each cut before its Examples / See Also section and without its other doctest paragraphs (code, not
+    prose), in an order fixed by a hash of the
+    qualified name (so the first tokens scored are a spread of the API, not its alphabetical start). NumPy comes with
+    every install (transformers needs it); no calibration text contains this one."""
+    import hashlib
+    import inspect
+
+    import numpy
+
+    modules = [numpy, numpy.linalg, numpy.fft, numpy.random, numpy.ma, numpy.polynomial, numpy.char]
+    docs: dict[str, str] = {}
+    seen = set()
+    for module in modules:
+        for name in sorted(dir(module)):
+            obj = getattr(module, name, None) if not name.startswith("_") else None
+            if obj is None or inspect.ismodule(obj):
+                continue
+            doc = inspect.getdoc(obj)
+            if not doc or len(doc) < 200:
+                continue
+            doc = re.split(r"\n(?:Examples|See Also)\n-{4,}", doc)[0].strip()
+            doc = "\n\n".join(p for p in doc.split("\n\n") if ">>>" not in p)  # doctests elsewhere: code, not prose
+            if doc not in seen:
+                seen.add(doc)
+                docs[f"{module.__name__}.{name}"] = doc
+    order = sorted(docs, key=lambda qualified: hashlib.sha1(qualified.encode()).hexdigest())
+    return Text(numpy_docs_name(), "\n\n".join(f"{name}\n\n{docs[name]}" for name in order), held_out=False)
+
+
+def mixture_domains() -> list[Text]:
+    """The mixture's domains that are installed, in a fixed order: Wikipedia (encyclopedic), news, the Python
+    language reference (a language's documentation) and Usenet posts (conversational). gensim (a dependency) carries
+    three of them; without it the mixture is the Python language reference alone, and says so."""
+    domains = []
+    if wiki_available():
+        domains.append(Text(WIKI_TEXT_NAME, wiki_text(), held_out=True))
+    if news_file() is not None:
+        domains.append(news_text())
+    domains.append(Text(BUILTIN_TEXT_NAME, builtin_text(), held_out=True))
+    if usenet_file() is not None:
+        domains.append(usenet_text())
+    return domains
+
+
+def short_name(name: str) -> str:
+    """A text's name up to its description in parentheses: `lee-news`, `enwiki-sample`, ..."""
+    return name.split(" (")[0]
+
+
+def mixture_text() -> Text:
+    """`mix`: every installed domain (`mixture_domains`) in equal shares (`mixture_split`)."""
+    domains = mixture_domains()
+    if len(domains) == 1:
+        console.log(
+            "[yellow]calibration mixture: only the Python language reference is installed (gensim, which carries the "
+            "Wikipedia, news and Usenet texts, is missing): one domain[/]"
+        )
+    name = f"{MIX_PREFIX}{', '.join(short_name(d.name) for d in domains)} (equal shares of {MIX_BLOCK_TOKENS}-token blocks)"
+    return Text(name, "", held_out=True, parts=tuple(domains))
+
+
+def mixture_domain_names(name: str) -> list[str]:
+    """The short names of a mixture's domains, from its (report) name; [] for a text that is not a mixture."""
+    if not name.startswith(MIX_PREFIX):
+        return []
+    return name.removeprefix(MIX_PREFIX).split(" (")[0].split(", ")
+
+
+def interleave(streams: list[torch.Tensor], block: int, generator: torch.Generator | None) -> tuple[torch.Tensor, int]:
+    """(the streams cut into `block`-token blocks and interleaved in rounds, the tokens before the first stream runs out).
+
+    Every block is `block` tokens (a stream's last, shorter piece is left out), and round k holds block k of every
+    stream that still has one, so every prefix of the result has the streams in equal shares (to one block) until the
+    shortest is spent; after that the longer ones continue alone. With a generator,
+    each stream's blocks are shuffled first and the order within each round is drawn (seeded); without one, blocks
+    keep their order and rounds follow the streams' order (evaluation: the same tokens whatever the seed)."""
+    blocks = []
+    for ids in streams:
+        pieces = list(ids[: len(ids) // block * block].split(block))
+        if generator is not None:
+            pieces = [pieces[i] for i in torch.randperm(len(pieces), generator=generator).tolist()]
+        blocks.append(pieces)
+    rounds = max(len(pieces) for pieces in blocks)
+    out, balanced = [], None
+    for k in range(rounds):
+        if balanced is None and any(k >= len(pieces) for pieces in blocks):
+            balanced = sum(len(piece) for piece in out)
+        order = torch.randperm(len(blocks), generator=generator).tolist() if generator is not None else range(len(blocks))
+        out.extend(blocks[d][k] for d in order if k < len(blocks[d]))
+    ids = torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
+    return ids, len(ids) if balanced is None else balanced
+
+
+@dataclass
+class MixtureSplit:
+    """A mixture's token ids: every domain's first 75% interleaved (calibration, layer selection, distillation) and its
+    held-out last 25% interleaved (evaluation). No block of one is in the other."""
+
+    calibration: torch.Tensor
+    held_out: torch.Tensor
+    balanced_tokens: int  # calibration tokens before the smallest domain's share is spent
+    domains: dict[str, tuple[int, int]]  # short name -> (its calibration tokens, its held-out tokens)
+    owner: torch.Tensor  # per calibration id: the index of its domain in `domains`
+
+    def shares(self, tokens: int) -> dict[str, int]:
+        """How many of the first `tokens` calibration ids each domain gave."""
+        counts = self.owner[:tokens].bincount(minlength=len(self.domains))
+        return {name: int(count) for name, count in zip(self.domains, counts)}
+
+
+def mixture_split(tokenizer, text: Text, seed: int = 0) -> MixtureSplit:
+    """Split every domain of a mixture 75% / 25% on its own tokens, then interleave the calibration parts (blocks
+    shuffled, rounds drawn with `seed`) and the held-out parts (in order, seed-independent)."""
+    calibration, held_out, owners, domains = [], [], [], {}
+    for index, domain in enumerate(text.parts):
+        split = tokenize_split(tokenizer, domain.text, domain.name)
+        calibration.append(split.calibration)
+        held_out.append(split.held_out)
+        owners.append(torch.full_like(split.calibration, index))
+        domains[short_name(domain.name)] = (len(split.calibration), len(split.held_out))
+    calib_ids, balanced = interleave(calibration, MIX_BLOCK_TOKENS, torch.Generator().manual_seed(seed))
+    owner, _ = interleave(owners, MIX_BLOCK_TOKENS, torch.Generator().manual_seed(seed))  # the same draws: the same order
+    held_ids, _ = interleave(held_out, MIX_BLOCK_TOKENS, None)
+    return MixtureSplit(calib_ids, held_ids, balanced, domains, owner)
 
 
 def read_text_file(path: Path) -> str:
@@ -282,6 +498,8 @@ def load_text(spec: str, role: Role, fallback: Text | None = None) -> Text:
         return Text(BUILTIN_TEXT_NAME, builtin_text(), held_out=True)
     if spec == WIKI:
         return Text(WIKI_TEXT_NAME, wiki_text(), held_out=True)
+    if spec == MIX:
+        return mixture_text()
     if spec == WIKITEXT:
         from huggingface_hub import constants
 
@@ -300,7 +518,7 @@ def load_text(spec: str, role: Role, fallback: Text | None = None) -> Text:
 
 def check_text_option(spec: str, role: Role) -> None:
     """Refuse a text option that is neither a text name nor an existing file (before any work)."""
-    names = (NEWS, BUILTIN, WIKI, WIKITEXT, NONE, AUTO) if role == "other-domain" else (BUILTIN, WIKI, WIKITEXT, AUTO)
+    names = (NUMPY_DOCS, NEWS, USENET, BUILTIN, WIKI, WIKITEXT, NONE, AUTO) if role == "other-domain" else (MIX, BUILTIN, WIKI, WIKITEXT, AUTO)
     if spec.startswith(DATASET_PREFIX):
         if not spec.removeprefix(DATASET_PREFIX).partition(":")[0].count("/") == 1:
             raise HfcompressError(f"{_ROLES[role][0]} '{spec}': write a Hub dataset as hf:owner/name or hf:owner/name:config.")
@@ -315,21 +533,25 @@ def check_text_option(spec: str, role: Role) -> None:
             f"{_ROLES[role][0]} {WIKI}: the Wikipedia excerpt needs the gensim wheel (its data file) and mwparserfromhell: "
             "run `pip install --no-deps gensim==4.4.0` and `pip install mwparserfromhell`, or pass another text."
         )
-    if spec == NEWS and news_file() is None:
+    if spec in (NEWS, USENET) and (news_file() if spec == NEWS else usenet_file()) is None:
         raise HfcompressError(
-            f"--ood-text {NEWS}: the news corpus comes with the gensim wheel, which is not installed: run "
-            "`pip install --no-deps gensim==4.4.0`, or pass a text file or 'none'."
+            f"--ood-text {spec}: the {spec} text comes with the gensim wheel, which is not installed: run "
+            f"`pip install gensim`, or pass '{NUMPY_DOCS}', a text file or 'none'."
         )
 
 
 def other_domain_ids(tokenizer, spec: str, calibration_name: str) -> tuple[torch.Tensor, str] | None:
-    """(ids, name) of the other-domain evaluation text, scored whole; None for 'none' (or 'auto' without gensim)."""
-    if spec == NONE or (spec == AUTO and news_file() is None):
-        if spec == AUTO:
-            console.log("other-domain text: none (auto: gensim, which carries the news corpus, is not installed)")
+    """(ids, name) of the other-domain evaluation text, scored whole; None for 'none'. 'auto' is the held-out third
+    domain, NumPy's API documentation: in no calibration text, so no step of a conversion (calibration, layer
+    selection, distillation) saw it."""
+    if spec == NONE:
         return None
-    if spec in (AUTO, NEWS):
+    if spec in (AUTO, NUMPY_DOCS):
+        text = numpy_docs_text()
+    elif spec == NEWS:
         text = Text(NEWS_TEXT_NAME, news_file().read_text(encoding="utf-8"), held_out=False)
+    elif spec == USENET:
+        text = usenet_text()
     elif spec == BUILTIN:
         text = Text(BUILTIN_TEXT_NAME, builtin_text(), held_out=False)
     elif spec == WIKI:
@@ -338,9 +560,10 @@ def other_domain_ids(tokenizer, spec: str, calibration_name: str) -> tuple[torch
         text = load_text(spec, "other-domain")
     else:
         text = Text(str(spec), read_text_file(Path(spec)), held_out=False)
-    if calibration_name.startswith(text.name):
+    if calibration_name.startswith(text.name) or short_name(text.name) in mixture_domain_names(calibration_name):
         raise HfcompressError(
-            f"--ood-text is the calibration text ({text.name}): choose a text of another domain, e.g. '{NEWS}' or a file."
+            f"--ood-text is {'part of ' if calibration_name.startswith(MIX_PREFIX) else ''}the calibration text "
+            f"({short_name(text.name)}): choose a text of another domain, e.g. '{NUMPY_DOCS}' or a file."
         )
     return tokenize(tokenizer, text.text), text.name
 
@@ -388,23 +611,43 @@ def part_name(text: Text, role: Role) -> str:
     """The report's name for the part of `text` that `role` reads."""
     if not text.held_out:
         return text.name
+    if text.parts:
+        return f"{text.name}, first 75% of each" if role == "calibration" else f"{text.name}, held-out last 25% of each"
     return f"{text.name}, first 75%" if role == "calibration" else f"{text.name}, held-out last 25%"
 
 
 def evaluation_ids(tokenizer, text: Text) -> tuple[torch.Tensor, str]:
     """(token ids scored for perplexity, their name for the report)."""
+    if text.parts:  # a mixture: every domain's held-out part, interleaved in order (the same whatever the seed)
+        return mixture_split(tokenizer, text).held_out, part_name(text, "evaluation")
     ids = tokenize_split(tokenizer, text.text, text.name).held_out if text.held_out else tokenize(tokenizer, text.text)
     return ids, part_name(text, "evaluation")
 
 
 def text_streams(
-    tokenizer, calib_spec: str, eval_spec: str, calib_tokens: int
+    tokenizer, calib_spec: str, eval_spec: str, calib_tokens: int, seed: int = 0
 ) -> tuple[torch.Tensor, str, torch.Tensor, str]:
     """(calibration ids (at least `calib_tokens` when the text has them), their name, evaluation ids, their name).
 
-    An "auto" evaluation text that cannot be wikitext-2 is the held-out part of the calibration text."""
+    An "auto" evaluation text that cannot be wikitext-2 is the held-out part of the calibration text. A mixture's
+    calibration ids are its interleaved domains (`seed` draws the order) up to where the smallest domain's share is
+    spent, or `calib_tokens` when that is more: distillation draws its windows from all of them, so its domains stay
+    in equal shares too."""
     calibration = load_text(calib_spec, "calibration")
     evaluation = load_text(eval_spec, "evaluation", fallback=calibration if calibration.held_out else None)
+    if calibration.parts:
+        mixture = mixture_split(tokenizer, calibration, seed)
+        calib_ids = mixture.calibration[: max(calib_tokens, mixture.balanced_tokens)]
+        shares = mixture.shares(calib_tokens)
+        console.log(
+            f"calibration mixture: first {min(calib_tokens, len(calib_ids)):,} tokens: "
+            + ", ".join(f"{name} {count:,}" for name, count in shares.items()),
+            highlight=False,
+        )
+        if evaluation == calibration:
+            return calib_ids, part_name(calibration, "calibration"), mixture.held_out, part_name(evaluation, "evaluation")
+        eval_ids, eval_name = evaluation_ids(tokenizer, evaluation)
+        return calib_ids, part_name(calibration, "calibration"), eval_ids, eval_name
     if calibration.held_out:
         split = tokenize_split(tokenizer, calibration.text, calibration.name)
         calib_ids = split.calibration

@@ -34,6 +34,7 @@ from hfcompress.text import (
     check_text_option,
     load_text,
     other_domain_ids,
+    short_name,
     wiki_file,
 )
 
@@ -218,18 +219,22 @@ def _forbid_wikitext_load(monkeypatch) -> None:
     monkeypatch.setattr(text_module, "_load_wikitext", load)
 
 
-def test_auto_is_the_offline_wikipedia_text_when_offline(log, hub_traffic, monkeypatch):
-    """With HF_HUB_OFFLINE "auto" takes the offline Wikipedia text without asking the Hub at all (no probe, no HTTP
-    request, no datasets load), so an offline machine never waits on the network; without gensim, the built-in text."""
+def test_auto_is_the_offline_mixture_when_offline(log, hub_traffic, monkeypatch):
+    """With HF_HUB_OFFLINE "auto" takes the offline mixture of domains without asking the Hub at all (no probe, no HTTP
+    request, no datasets load), so an offline machine never waits on the network; without gensim, the mixture is the
+    built-in text alone, and its name says so."""
     _forbid_wikitext_load(monkeypatch)  # not even a cached copy
     text = load_text("auto", "calibration")  # the autouse fixture of conftest.py set HF_HUB_OFFLINE
     assert hub_traffic.probes == [] and hub_traffic.requests == []
-    expected = WIKI_TEXT_NAME if wiki_file() is not None else BUILTIN_TEXT_NAME
-    assert (text.name, text.held_out) == (expected, True)
+    domains = ["enwiki-sample", "lee-news", "python-language-reference", "usenet-sample"] if wiki_file() else ["python-language-reference"]
+    assert text.held_out and [short_name(d.name) for d in text.parts] == domains
+    assert text.name.startswith(f"mixture of {', '.join(domains)} (")
     assert log.getvalue().count("\n") == 1
-    assert f"calibration text: {expected}, first 75% (auto: HF_HUB_OFFLINE is set)" in log.getvalue()
-    monkeypatch.setattr(text_module, "wiki_file", lambda: None)
-    assert text_module.offline_text().name == BUILTIN_TEXT_NAME
+    assert f"calibration text: {text.name}, first 75% of each (auto: HF_HUB_OFFLINE is set)" in log.getvalue()
+    monkeypatch.setattr(text_module, "gensim_data_file", lambda relative: None)  # an install without gensim
+    alone = text_module.offline_text()
+    assert "only the Python language reference is installed" in log.getvalue()
+    assert [d.name for d in alone.parts] == [BUILTIN_TEXT_NAME] and alone.name.startswith("mixture of python-language-reference (")
 
 
 def _online(monkeypatch, endpoint: str) -> None:
@@ -377,3 +382,122 @@ def test_wiki_is_prose_of_the_whole_excerpt_held_out_by_role(tiny_llama_dir):
     assert name == WIKI_TEXT_NAME and len(ids) > 128_000  # room for the anchors' calibration sizes
     with pytest.raises(HfcompressError, match="--ood-text is the calibration text"):
         other_domain_ids(tokenizer, "wiki", f"{WIKI_TEXT_NAME}, first 75%")
+
+
+# ------------------------------------------------------------------------------------------- the calibration mixture
+def test_interleave_gives_equal_shares_seeded_and_keeps_every_token():
+    """Every prefix of an interleaved stream holds its streams in equal shares (to one block) until the shortest is
+    spent; the seed fixes the order (same seed: same ids, another seed: another order of the same blocks); without a
+    generator blocks keep their order, round by round in the streams' order."""
+    from hfcompress.text import interleave
+
+    streams = [torch.arange(0, 5000), torch.arange(10_000, 11_200), torch.arange(20_000, 22_000)]  # 3 "domains"
+    owner = lambda ids: ids // 10_000  # noqa: E731  which stream an id came from
+    ids, balanced = interleave(streams, 100, torch.Generator().manual_seed(0))
+    assert sorted(ids.tolist()) == sorted(torch.cat(streams).tolist())  # nothing lost, nothing repeated
+    assert len(interleave([torch.arange(250)], 100, None)[0]) == 200  # whole blocks only
+    assert balanced == 3 * 1200  # 12 blocks of each before the 1,200-token stream is spent
+    for prefix in range(300, balanced + 1, 300):  # after every round: exactly equal shares
+        assert owner(ids[:prefix]).bincount(minlength=3).tolist() == [prefix // 3] * 3
+    for prefix in range(1, balanced, 37):  # anywhere in between: within one block
+        counts = owner(ids[:prefix]).bincount(minlength=3)
+        assert int(counts.max() - counts.min()) <= 100
+    again, _ = interleave(streams, 100, torch.Generator().manual_seed(0))
+    other, _ = interleave(streams, 100, torch.Generator().manual_seed(1))
+    assert torch.equal(ids, again) and not torch.equal(ids, other) and sorted(other.tolist()) == sorted(ids.tolist())
+    assert ids[:100].tolist() != list(range(100)) or ids[100:200].tolist() != list(range(10_000, 10_100))  # shuffled
+    plain, _ = interleave(streams, 100, None)
+    assert plain[:300].tolist() == [*range(100), *range(10_000, 10_100), *range(20_000, 20_100)]
+
+
+@pytest.fixture
+def small_mixture(monkeypatch):
+    """The real mixture's domains, each cut to its first 40,000 characters (the tiny tokenizer makes ~2 tokens a word:
+    the whole mixture takes minutes to tokenise on 2 cores), with different lengths so one runs out first."""
+    if wiki_file() is None:
+        pytest.skip("gensim (three of the mixture's domains) is not installed")
+    full = text_module.mixture_domains()
+    cut = [text_module.Text(d.name, d.text[: 40_000 - 8_000 * (i == 1)], True) for i, d in enumerate(full)]
+    monkeypatch.setattr(text_module, "mixture_domains", lambda: cut)
+    return full
+
+
+def test_mixture_splits_each_domain_and_calibrates_on_all_in_equal_shares(tiny_llama_dir, small_mixture):
+    """`mix`: four real domains, each split on its own; the calibration stream (what calibration sequences, layer
+    selection and distillation read) is every domain's first 75% in equal shares, seeded; the evaluation stream is
+    every domain's last 25%, the same for any seed, and shares no block with calibration."""
+    from transformers import AutoTokenizer
+
+    from hfcompress.text import MIX_BLOCK_TOKENS, mixture_split, text_streams, tokenize_split
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    names = [short_name(d.name) for d in small_mixture]
+    assert names == ["enwiki-sample", "lee-news", "python-language-reference", "usenet-sample"]
+    usenet = small_mixture[3].text
+    assert "Path:" not in usenet and usenet.count("Message-ID:") < 3  # 200 header blocks dropped (one post quotes one)
+    assert len(usenet) > 250_000 and "\n\nSpace Calendar - 04/27/93\n\n" in usenet  # a Subject line, then the body
+    text = load_text("mix", "calibration")
+
+    split = mixture_split(tokenizer, text, seed=0)
+    blocks = lambda ids: [tuple(b.tolist()) for b in ids.split(MIX_BLOCK_TOKENS)]  # noqa: E731
+    for index, domain in enumerate(text.parts):  # each domain's calibration blocks are its first 75%, shuffled
+        own = tokenize_split(tokenizer, domain.text, domain.name)
+        mine = split.calibration[split.owner == index]
+        whole = own.calibration[: len(own.calibration) // MIX_BLOCK_TOKENS * MIX_BLOCK_TOKENS]
+        assert len(mine) == len(whole) and sorted(blocks(mine)) == sorted(blocks(whole)) and len(blocks(mine)) >= 15
+        held = blocks(own.held_out[: len(own.held_out) // MIX_BLOCK_TOKENS * MIX_BLOCK_TOKENS])
+        assert held and set(held) <= set(blocks(split.held_out))  # its held-out part is evaluated ...
+        assert not set(held) & set(blocks(split.calibration))  # ... and in no calibration step
+    assert len(split.held_out) == sum(held // MIX_BLOCK_TOKENS * MIX_BLOCK_TOKENS for _, held in split.domains.values())
+    shares = split.shares(split.balanced_tokens)
+    assert max(shares.values()) - min(shares.values()) <= MIX_BLOCK_TOKENS and len(shares) == 4
+    assert split.balanced_tokens >= 4 * min(calib for calib, _ in split.domains.values()) - 4 * MIX_BLOCK_TOKENS
+
+    other = mixture_split(tokenizer, text, seed=1)
+    assert torch.equal(other.held_out, split.held_out)  # evaluation does not depend on the seed
+    assert not torch.equal(other.calibration[:5_000], split.calibration[:5_000])
+    assert torch.equal(mixture_split(tokenizer, text, seed=0).calibration, split.calibration)
+
+    calib_ids, calib_name, eval_ids, eval_name = text_streams(tokenizer, "mix", "auto", 10_000, seed=0)
+    assert torch.equal(calib_ids, split.calibration[: split.balanced_tokens])  # distillation's windows: balanced too
+    assert torch.equal(eval_ids, split.held_out)
+    assert calib_name == f"{text.name}, first 75% of each" and eval_name == f"{text.name}, held-out last 25% of each"
+    big, *_ = text_streams(tokenizer, "mix", "auto", split.balanced_tokens + 5000, seed=0)
+    assert len(big) == split.balanced_tokens + 5000  # more than the balanced part when a run asks for more
+
+
+def test_the_gate_always_has_a_domain_no_step_saw(tiny_llama_dir, small_mixture, monkeypatch):
+    """`--ood-text auto` is NumPy's API documentation, in no calibration text; a text that is part of the calibration
+    mixture is refused as the other-domain text; a conversion's gate (token_streams) scores the mixture's held-out
+    part and the third domain."""
+    from transformers import AutoTokenizer
+
+    from hfcompress.pipeline import token_streams
+    from hfcompress.text import NUMPY_DOCS, numpy_docs_name
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    mixture = load_text("mix", "calibration")
+    real = text_module.numpy_docs_text()
+    docs = real.text
+    assert len(docs) > 500_000 and "Parameters\n----------" in docs and "Returns\n-------" in docs
+    assert ">>>" not in docs and "\nExamples\n--------" not in docs  # prose, not code
+    for part in small_mixture:  # the third domain is in no calibration domain (whole texts)
+        assert docs[1000:1200] not in part.text and docs[-300:-100] not in part.text
+    monkeypatch.setattr(text_module, "numpy_docs_text", lambda: text_module.Text(real.name, docs[:30_000], False))
+    ids, name = other_domain_ids(tokenizer, "auto", f"{mixture.name}, first 75% of each")
+    assert name == real.name == numpy_docs_name() and name.startswith("numpy-docs (NumPy ") and len(ids) > 5_000
+    assert other_domain_ids(tokenizer, NUMPY_DOCS, BUILTIN_TEXT_NAME)[1] == name
+    for part in mixture.parts:
+        with pytest.raises(HfcompressError, match="--ood-text is part of the calibration text"):
+            other_domain_ids(tokenizer, "builtin" if part.name == BUILTIN_TEXT_NAME else str(_named(part)), f"{mixture.name}, first 75% of each")
+
+    options = ConvertOptions(source="x", out=tiny_llama_dir / "out", calib_text="mix", calib_sequences=4, seq_len=64)
+    options.distill.tokens = 0
+    streams = token_streams(options, tokenizer)
+    assert list(streams.evaluations) == [f"{mixture.name}, held-out last 25% of each", name]
+    assert torch.equal(streams.evaluations[name], ids)  # the third domain, scored from its start
+
+
+def _named(part) -> str:
+    """The --ood-text name of one domain of the mixture."""
+    return {"enwiki-sample": "wiki", "lee-news": "news", "usenet-sample": "usenet"}[short_name(part.name)]

@@ -11,7 +11,7 @@ from huggingface_hub import ModelCard
 from typer.testing import CliRunner
 
 from hfcompress.cli import app
-from hfcompress.text import NEWS_TEXT_NAME, news_file
+from hfcompress.text import numpy_docs_name
 from tests.conftest import HUB_USER
 
 FAST = [
@@ -190,11 +190,11 @@ def test_eval_and_analyze_commands(tiny_llama_dir, tmp_path, monkeypatch):
     assert measured["models"]["model"]["perplexity"]["perplexity"] == pytest.approx(
         report["validation"]["converted"]["perplexity"], rel=1e-4
     )
-    if news_file() is not None:  # the other-domain text: gated in convert, reproduced by eval
-        assert [row["eval_text"] for row in report["validation"]["texts"]][1] == measured["other_domain_text"] == NEWS_TEXT_NAME
-        assert measured["models"]["model"]["other_domain_perplexity"]["perplexity"] == pytest.approx(
-            report["validation"]["texts"][1]["converted"]["perplexity"], rel=1e-4
-        )
+    # the other-domain text (the third domain, in no calibration text): gated in convert, reproduced by eval
+    assert [row["eval_text"] for row in report["validation"]["texts"]][1] == measured["other_domain_text"] == numpy_docs_name()
+    assert measured["models"]["model"]["other_domain_perplexity"]["perplexity"] == pytest.approx(
+        report["validation"]["texts"][1]["converted"]["perplexity"], rel=1e-4
+    )
     for entry in measured["models"].values():
         assert entry["speed"]["decode_tokens_per_s"] > 0 and entry["probe"]["total"] >= 50
 

@@ -1,0 +1,145 @@
+"""Quantization on top of a conversion: torchao weight-only weights (`convert --quantize-weights`), the backends a KV
+cache quantization needs, and the real bytes a cache holds.
+
+Weights: the written output is loaded back through transformers' torchao integration (`TorchAoConfig`), which
+quantizes every nn.Linear of the decoder, FASC factors (FascLinear's proj_in / proj_out) and LISA's low-rank Q/K
+included (not the embedding, nor the lm_head, as transformers leaves them), and saved again: config.json carries its
+`quantization_config`, so a plain `from_pretrained(DIR, trust_remote_code=True)` loads it quantized.
+int8 only: torchao 0.18's int4 weight-only layouts have no CPU kernel (plain and preshuffled need mslk, a CUDA
+library; tile_packed_to_4d needs a CUDA GPU; the CPU layout of earlier releases is gone).
+
+KV cache: `generate(cache_implementation="quantized", cache_config={"backend": "quanto" | "hqq", "nbits": 4})` on a
+converted model builds the remote code's LisaQuantizedCache (modeling/lisa_attention.py); `check_kv_backend` says, in
+one sentence, what to install when the backend is missing.
+"""
+
+import importlib.util
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import HfcompressError
+
+WEIGHT_SCHEMES = ("none", "int8", "int4")  # accepted by the option; int4 is refused with the reason (see above)
+TORCHAO_PIN = "torchao==0.18.0"
+KV_BACKENDS = {"quanto": ("optimum.quanto", "optimum-quanto==0.2.7", (2, 4)), "hqq": ("hqq", "hqq==0.2.8.post1", (1, 2, 3, 4, 8))}
+
+
+@dataclass
+class QuantizeOptions:
+    """`convert --quantize-weights`: none (default), int8 (torchao weight-only, per output row)."""
+
+    weights: str = "none"
+
+    def validate(self) -> None:
+        """One sentence naming what to install or choose, before any model work."""
+        if self.weights not in WEIGHT_SCHEMES:
+            raise HfcompressError(f"Unknown --quantize-weights '{self.weights}': choose one of {', '.join(WEIGHT_SCHEMES)}.")
+        check_weight_backend(self.weights)
+
+
+def check_weight_backend(scheme: str) -> None:
+    if scheme == "none":
+        return
+    if scheme == "int4":
+        raise HfcompressError(
+            "--quantize-weights int4 needs torchao's CUDA-only int4 kernels (mslk), which a CPU build cannot run: use "
+            "--quantize-weights int8."
+        )
+    if importlib.util.find_spec("torchao") is None:
+        raise HfcompressError(f"--quantize-weights {scheme} needs torchao: install it with `pip install {TORCHAO_PIN}`.")
+
+
+def check_kv_backend(backend: str, nbits: int) -> None:
+    """A KV cache quantization the installed backends can serve, or one sentence naming what to install or choose."""
+    if backend not in KV_BACKENDS:
+        raise HfcompressError(f"Unknown KV cache backend '{backend}': choose one of {', '.join(KV_BACKENDS)}.")
+    module, package, bits = KV_BACKENDS[backend]
+    if nbits not in bits:
+        raise HfcompressError(f"The {backend} KV cache backend quantizes to {', '.join(map(str, bits))} bits, not {nbits}.")
+    if importlib.util.find_spec(module.split(".")[0]) is None or importlib.util.find_spec(module) is None:
+        raise HfcompressError(f"The {backend} KV cache backend needs {package.split('==')[0]}: install it with `pip install {package}`.")
+
+
+def torchao_config(scheme: str):
+    """transformers' TorchAoConfig of a weight scheme (int8: Int8WeightOnlyConfig, one scale per output row)."""
+    check_weight_backend(scheme)
+    from torchao.quantization import Int8WeightOnlyConfig
+    from transformers import TorchAoConfig
+
+    return TorchAoConfig(Int8WeightOnlyConfig())
+
+
+def load_quantized(directory: Path, scheme: str, dtype=torch.float32):
+    """A written output (remote code) loaded with its weights quantized by `scheme` on the fly."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        directory, trust_remote_code=True, dtype=dtype, quantization_config=torchao_config(scheme)
+    ).eval()
+
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    return [p for p in directory.iterdir() if p.name in WEIGHT_FILES or (p.name.startswith("model-") and p.suffix == ".safetensors")]
+
+
+def quantize_written(directory: Path, scheme: str, max_shard_size: str = "2GB") -> None:
+    """Replace the weights of a written output by their `scheme` quantization and add its quantization_config to
+    config.json (the rest of config.json, the remote code, tokenizer and generation config stay as written)."""
+    import json
+
+    directory = Path(directory)
+    model = load_quantized(directory, scheme, dtype="auto")
+    with tempfile.TemporaryDirectory(dir=directory.parent, prefix=f".{directory.name}.quantized-") as tmp:
+        model.save_pretrained(tmp, max_shard_size=max_shard_size)
+        quantization = json.loads((Path(tmp) / "config.json").read_text())["quantization_config"]
+        for old in _weight_files(directory):
+            old.unlink()
+        for new in _weight_files(Path(tmp)):
+            shutil.move(str(new), directory / new.name)
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = quantization
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def reloaded_logits(directory: Path, ids: torch.Tensor) -> torch.Tensor:
+    """The logits of a written (quantized) output loaded as the fresh-process reload check loads it (float32)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(ids, use_cache=False).logits
+
+
+def _tensor_bytes(obj, seen: set) -> int:
+    """Bytes of the tensors in `obj` (a tensor, a quantized tensor subclass, or containers of them), each storage once."""
+    if isinstance(obj, torch.Tensor):
+        if hasattr(obj, "__tensor_flatten__") and type(obj) is not torch.Tensor and not isinstance(obj, torch.nn.Parameter):
+            names, _ = obj.__tensor_flatten__()  # quanto's QBitsTensor: packed data, scale, shift
+            return sum(_tensor_bytes(getattr(obj, name), seen) for name in names)
+        key = (obj.untyped_storage().data_ptr(), obj.storage_offset(), obj.numel()) if obj.numel() else id(obj)
+        if key in seen:
+            return 0
+        seen.add(key)
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(value, seen) for value in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(value, seen) for value in obj)
+    return 0
+
+
+KV_ATTRIBUTES = ("keys", "values", "_quantized_keys", "_quantized_values", "chunks")
+
+
+def kv_cache_bytes(cache) -> int:
+    """The bytes a cache holds: every layer's full-precision keys and values (the residual window of a quantized
+    layer) and its quantized states (packed codes, scales and zeros), read from the tensors themselves."""
+    seen: set = set()
+    return sum(_tensor_bytes(getattr(layer, name, None), seen) for layer in cache.layers for name in KV_ATTRIBUTES)

@@ -112,7 +112,7 @@ def test_converted_card_metadata_and_sections(converted, report):
     text = card.text
     assert "## What runs this model" in text and "trust_remote_code=True" in text
     assert f"lm_eval --model hf --model_args pretrained={converted.name},trust_remote_code=True" in text
-    assert "vLLM, TGI, llama.cpp): not yet" in text
+    assert "**TGI, llama.cpp**: not yet" in text and "vllm serve" in text and "--engine vllm" in text  # sparse Align: served
     assert "### LISA attention sharing" in text and "### FASC low-rank linears" in text
     assert "### Distillation" not in text and "## lm-evaluation-harness" not in text
     assert "None of these texts is a Hub dataset" in text

@@ -11,6 +11,7 @@ from .distill import DEFAULT_TOKENS, DistillOptions
 from .errors import WRITE_FAILED_EXIT, HfcompressError, redact
 from .fasc import DEFAULT_TARGETS, METHODS, FascOptions
 from .lisa import DEFAULT_SHARE_RATIO, LisaOptions
+from .config import QUANTIZE_WEIGHTS_HELP, QuantizeOptions
 from .families import FAMILIES
 from .source import BUILTIN_SOURCE
 
@@ -56,8 +57,13 @@ def _run(action) -> None:
             disk = err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS, errno.EFBIG)
             _fail(console, redact(f"{err.strerror or err}{where}; {UNFINISHED}: check free space and permissions, then {RERUN}."),
                   WRITE_FAILED_EXIT if disk else 1)
-        _fail(console, f"Out of memory; {UNFINISHED}: give fewer --calib-sequences or a smaller --distill-batch-size, or "
-                       f"use a machine with more memory, then {RERUN}.", 1)
+        from .preflight import gb, remove_unfinished_entries
+
+        freed = remove_unfinished_entries()  # a smaller run has another cache key: nothing unusable stays behind
+        removed = f" (the unfinished calibration cache it began, {gb(freed)}, was removed)" if freed is not None else ""
+        _fail(console, f"Out of memory; {UNFINISHED}{removed}: give fewer --calib-sequences, a shorter --seq-len or a "
+                       "smaller --distill-batch-size or --distill-seq-len, or use a machine with more memory "
+                       "(HFCOMPRESS_TRACEBACK=1 shows where it failed).", 1)
 
 
 UNFINISHED = "the output was not completed"
@@ -193,6 +199,7 @@ def convert(
     dtype: str = typer.Option("auto", help="Saved weights: auto (the source's), float32, bfloat16, float16."),
     device: str = typer.Option("auto", help="Where layers are computed: auto, cpu, cuda or cuda:N."),
     max_shard_size: str = typer.Option("2GB", help="Largest output safetensors shard, e.g. 2GB or 500MB."),
+    quantize_weights: str = typer.Option("none", help=QUANTIZE_WEIGHTS_HELP),
     licence_file: list[Path] = typer.Option(
         None, "--licence-file", help="A licence or terms file to ship too (repeatable)."
     ),
@@ -228,6 +235,7 @@ def convert(
             dtype=dtype,
             device=device,
             max_shard_size=max_shard_size,
+            quantize=QuantizeOptions(weights=quantize_weights),
             licence_files=list(licence_file or []),
             lisa=LisaOptions(
                 share_ratio=share_ratio,

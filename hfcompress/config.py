@@ -16,12 +16,32 @@ from .distill import DISTILL_DATA, DistillOptions
 from .errors import HfcompressError
 from .fasc import FascOptions
 from .lisa import LisaOptions
+from .quantize import WEIGHT_SCHEMES, check_weight_backend
 from .text import AUTO, check_text_option
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
 _SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+QUANTIZE_WEIGHTS_HELP = (
+    "Weight-only quantization of the written model (torchao; loads quantized with plain from_pretrained): none or "
+    "int8 (int4: torchao has no CPU kernel for it)."
+)
+
+
+@dataclass
+class QuantizeOptions:
+    """`convert --quantize-weights` (quantize.py): none (default) or int8 (torchao weight-only, one scale per row)."""
+
+    weights: str = "none"
+
+    def validate(self) -> None:
+        """The scheme, and the package it needs (one sentence naming what to install), before any model work."""
+        if self.weights not in WEIGHT_SCHEMES:
+            raise HfcompressError(f"Unknown --quantize-weights '{self.weights}': choose one of {', '.join(WEIGHT_SCHEMES)}.")
+        check_weight_backend(self.weights)
 
 
 def default_cache_dir() -> Path:
@@ -69,6 +89,7 @@ class ConvertOptions:
     lisa: LisaOptions = field(default_factory=LisaOptions)
     fasc: FascOptions = field(default_factory=FascOptions)
     distill: DistillOptions = field(default_factory=DistillOptions)
+    quantize: QuantizeOptions = field(default_factory=QuantizeOptions)
 
     @property
     def changes_layers(self) -> bool:
@@ -188,6 +209,7 @@ class ConvertOptions:
                 "--distill-tokens trains what the conversion creates, and this one shares no layer and factorises none: "
                 "share layers (--share-ratio, --lisa-layers, --lisa-ppl-budget), set --fasc-budget below 1.0, or add --distill-lora-rank."
             )
+        self.quantize.validate()
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and distill.tokens:
             raise HfcompressError("--distill-tokens trains the whole model in one process: run it without accelerate launch.")
         return self

@@ -59,6 +59,7 @@ from .speed import hardware_description
 from .stream import LayerStream, Processes, token_nll
 from .text import chunk, hub_dataset, other_domain_ids, prefixed, text_streams, window_prefix
 from .validate import PerplexityResult, verify_written
+from .quantize import quantize_written, reloaded_logits
 from .wholemodel import WholeModelSteps
 
 SELECTION_TOKENS = 2048  # calibration-text tokens after the sequences: score candidate plans
@@ -569,8 +570,16 @@ def _convert(options: ConvertOptions, argv: list[str] | None) -> Report:
             GenerationConfig.from_pretrained(source.path) if generation.is_file() else GenerationConfig.from_model_config(source_config)
         )
         save_companion_files(tokenizer, generation_config, directory)
+        expected = expected_logits
+        if options.quantize.weights != "none":  # the written weights become torchao's (quantize.py); reload checks those
+            with run.step(f"quantize weights: {options.quantize.weights}"):
+                quantize_written(directory, options.quantize.weights, options.max_shard_size)
+                expected = reloaded_logits(directory, probe_ids)
         with run.step("validate: fresh-process reload"):
-            report.validation.reload = verify_written(directory, probe_ids, expected_logits, 4 * sum(sizes.values()))
+            report.validation.reload = verify_written(directory, probe_ids, expected, 4 * sum(sizes.values()))
+        if options.quantize.weights != "none":
+            report.validation.reload["quantized_weights"] = options.quantize.weights
+            report.validation.reload["max_abs_logit_diff_to_unquantized"] = (expected - expected_logits).abs().max().item()
         report.plots = write_plots(report.to_dict(), directory / "plots")
         report.wall_seconds = round(time.perf_counter() - run.started, 1)
         report.memory = {**peak_memory(), "peak_rss_mb_after_step": run.peaks}

@@ -3,7 +3,8 @@ cache quantization needs, and the real bytes a cache holds.
 
 Weights: the written output is loaded back through transformers' torchao integration (`TorchAoConfig`), which
 quantizes every nn.Linear of the decoder, FASC factors (FascLinear's proj_in / proj_out) and LISA's low-rank Q/K
-included (not the embedding, nor the lm_head, as transformers leaves them), and saved again: config.json carries its
+included (not the embedding, nor the lm_head, as transformers leaves them, nor the dense Align's tiny FFN: KEEP_FLOAT),
+and saved again: config.json carries its
 `quantization_config`, so a plain `from_pretrained(DIR, trust_remote_code=True)` loads it quantized.
 int8 only: torchao 0.18's int4 weight-only layouts have no CPU kernel (plain and preshuffled need mslk, a CUDA
 library; tile_packed_to_4d needs a CUDA GPU; the CPU layout of earlier releases is gone).
@@ -16,7 +17,6 @@ one sentence, what to install when the backend is missing.
 import importlib.util
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,19 +26,6 @@ from .errors import HfcompressError
 WEIGHT_SCHEMES = ("none", "int8", "int4")  # accepted by the option; int4 is refused with the reason (see above)
 TORCHAO_PIN = "torchao==0.18.0"
 KV_BACKENDS = {"quanto": ("optimum.quanto", "optimum-quanto==0.2.7", (2, 4)), "hqq": ("hqq", "hqq==0.2.8.post1", (1, 2, 3, 4, 8))}
-
-
-@dataclass
-class QuantizeOptions:
-    """`convert --quantize-weights`: none (default), int8 (torchao weight-only, per output row)."""
-
-    weights: str = "none"
-
-    def validate(self) -> None:
-        """One sentence naming what to install or choose, before any model work."""
-        if self.weights not in WEIGHT_SCHEMES:
-            raise HfcompressError(f"Unknown --quantize-weights '{self.weights}': choose one of {', '.join(WEIGHT_SCHEMES)}.")
-        check_weight_backend(self.weights)
 
 
 def check_weight_backend(scheme: str) -> None:
@@ -64,13 +51,18 @@ def check_kv_backend(backend: str, nbits: int) -> None:
         raise HfcompressError(f"The {backend} KV cache backend needs {package.split('==')[0]}: install it with `pip install {package}`.")
 
 
+# transformers' default (the output embedding), and the dense Align's FFN across heads: LisaHeadAlign reads its weights
+# directly (batched matmuls over the score entries), which torchao's Int8Tensor does not serve; a few hundred parameters
+KEEP_FLOAT = ["lm_head", r".*\.align\.ffn_in", r".*\.align\.ffn_out"]
+
+
 def torchao_config(scheme: str):
     """transformers' TorchAoConfig of a weight scheme (int8: Int8WeightOnlyConfig, one scale per output row)."""
     check_weight_backend(scheme)
     from torchao.quantization import Int8WeightOnlyConfig
     from transformers import TorchAoConfig
 
-    return TorchAoConfig(Int8WeightOnlyConfig())
+    return TorchAoConfig(Int8WeightOnlyConfig(), modules_to_not_convert=KEEP_FLOAT)
 
 
 def load_quantized(directory: Path, scheme: str, dtype=torch.float32):

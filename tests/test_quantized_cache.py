@@ -50,22 +50,22 @@ def test_generate_builds_the_lisa_quantized_cache(backend, nbits):
     """generate(cache_implementation="quantized"): transformers' quantized layers for full attention, the LISA variant
     for the shared layers; the residual window stays under its length; teacher-forced NLL close to the dynamic cache."""
     _, model = tiny_pair()
-    ids = torch.randint(0, 128, (2, 100))
-    config = {"backend": backend, "nbits": nbits, "residual_length": 32}
+    ids = torch.randint(0, 128, (2, 90))
+    config = {"backend": backend, "nbits": nbits, "residual_length": 16}
     with torch.no_grad():
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False, return_dict_in_generate=True,
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False, return_dict_in_generate=True,
             cache_implementation="quantized", cache_config=config,
         )  # fmt: skip
     cache = out.cache
     full, lisa_name = LAYERS[backend]
     assert [type(layer).__name__ for layer in cache.layers] == [full.__name__] * 2 + [lisa_name] * 2
-    assert cache.get_seq_length() == 139  # the last generated token is not fed back
+    assert cache.get_seq_length() == 113  # the last generated token is not fed back
     for layer in cache.layers[2:]:
-        assert layer.cumulative_length == 139 and layer.keys.shape[-2] < 32 + GROUP
+        assert layer.cumulative_length == 113 and layer.keys.shape[-2] < 16 + GROUP
         assert len(layer.chunks) >= 2  # the prefill's whole groups, then at least one flush of the window
     dynamic = teacher_forced_nll(model, ids, 64, DynamicCache(config=model.config))
-    quantized = teacher_forced_nll(model, ids, 64, lisa.LisaQuantizedCache(backend, model.config, nbits=nbits, residual_length=32))
+    quantized = teacher_forced_nll(model, ids, 64, lisa.LisaQuantizedCache(backend, model.config, nbits=nbits, residual_length=16))
     gap = (quantized.mean() - dynamic.mean()).abs().item() / dynamic.mean().item()
     assert gap < {4: 0.01, 2: 0.05}[nbits], gap
 
@@ -101,9 +101,9 @@ def test_hqq_8_bits_generates_the_dynamic_cache_tokens_with_beams():
     """At 8 bits the quantized cache is close enough that greedy and beam search (whose reordering the quantized
     chunks apply on dequantization) pick the dynamic cache's tokens."""
     _, model = tiny_pair()
-    ids = torch.randint(0, 128, (2, 80))
+    ids = torch.randint(0, 128, (1, 70))
     for beams in (1, 3):
-        kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=60, do_sample=False, num_beams=beams)
+        kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False, num_beams=beams)
         with torch.no_grad():
             dynamic = model.generate(ids, **kwargs)
             quantized = model.generate(ids, **kwargs, cache_implementation="quantized",
@@ -141,13 +141,18 @@ def test_kv_bytes_of_converted_and_4_bit_below_original_and_4_bit():
     assert sizes["converted 4-bit"] < sizes["original 4-bit"] and sizes["converted 4-bit"] < sizes["converted"] / 5
 
 
+def save_remote(model, directory) -> None:
+    """`model` written as a converted repo: weights, config with the family's auto_map, the remote code beside them."""
+    model.config.auto_map = FAMILIES["llama"].auto_map
+    model.save_pretrained(directory)
+    for path in remote_code_files(FAMILIES["llama"].auto_map):
+        shutil.copy(path, directory / path.name)
+
+
 def test_remote_code_copy_generates_with_the_quantized_cache(tmp_path):
     """Loaded as a user loads a converted repo (trust_remote_code: transformers_modules' copy of the remote code)."""
     _, model = tiny_pair()
-    model.config.auto_map = FAMILIES["llama"].auto_map
-    model.save_pretrained(tmp_path)
-    for path in remote_code_files(FAMILIES["llama"].auto_map):
-        shutil.copy(path, tmp_path / path.name)
+    save_remote(model, tmp_path)
     from transformers import AutoModelForCausalLM
 
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True, dtype=torch.float32).eval()

@@ -27,6 +27,7 @@ from .report import REPORT_FILE
 
 LOCK_SUFFIX = ".lock"  # .<out name>.lock beside --out
 DISK_MARGIN = 1.1  # estimates are of the tensors; files add headers, logs and the card
+OUTPUT_EXTRA = 4 * 10**6  # beside the weights: tokenizer, remote code, card, plots, report (a few MB)
 
 
 # ------------------------------------------------------------------------------------------------ the output
@@ -159,9 +160,9 @@ def output_lock(out: Path) -> Iterator[None]:
 def check_push_target(repo_id: str, token: str, out: Path) -> None:
     """Before any work: the Hub answers, the token is valid, can write, and its user may write to the namespace
     (read-only requests). Each refusal is the push's exit code (4) and names the conversion without --push-to."""
+    import httpx2
     from huggingface_hub import HfApi, constants
     from huggingface_hub.errors import HfHubHTTPError
-    import httpx2
 
     from .hub import configure_http, describe, status_code
     from .push import push_command
@@ -297,10 +298,33 @@ def check_source(options, source) -> None:
     room in the cache for a GGUF's one-time dequantising (float32)."""
     from .checkpoint import gguf_cache_dir
 
+    from .progress import console
+
     config = source_config(source, options.cache_dir)
     check_model(options, config)
-    if source.gguf_file and not (gguf_cache_dir(source, options.cache_dir) / "config.json").is_file():
-        check_disk([(options.cache_dir, parameter_count(config) * 4, "the dequantised GGUF (float32)")])
+    if source.gguf_file:
+        cached = gguf_cache_dir(source, options.cache_dir)
+        if (cached / "config.json").is_file():
+            console.log(f"fetch: {source.gguf_file} dequantised on an earlier run, reused from the cache ({cached})", highlight=False)
+        else:
+            check_disk([(options.cache_dir, parameter_count(config) * 4, "the dequantised GGUF (float32)")])
+
+
+# calibration entries this process began (entry, the mark its forward pass leaves last): an entry left unfinished by
+# an out-of-memory failure is removed (`remove_unfinished_entries`), since the smaller run the message asks for has
+# another cache key and could never use it; after Ctrl-C or a kill it stays, and the same command resumes from it
+STARTED: list[tuple[Path, Path]] = []
+
+
+def remove_unfinished_entries() -> int | None:
+    """Remove the calibration entries this process began and did not finish; returns the bytes freed (None: none)."""
+    freed = None
+    for entry, last in STARTED:
+        if entry.is_dir() and not last.is_file():
+            freed = (freed or 0) + sum(p.stat().st_size for p in entry.rglob("*") if p.is_file())
+            shutil.rmtree(entry, ignore_errors=True)
+    STARTED.clear()
+    return freed
 
 
 def check_run_disk(run, methods, out: Path) -> None:
@@ -312,6 +336,8 @@ def check_run_disk(run, methods, out: Path) -> None:
     layers, width = stream.num_layers, stream.config.hidden_size
     per_layer = sequences.numel() * width * 4  # float32 hidden states of this process's sequences, one layer's input
     hidden = sum(per_layer for idx in range(layers + 1) if not (run.hidden_dir / f"hidden-{idx}.pt").is_file())
+    if not any(run.hidden_dir.glob("hidden-*.pt")):
+        STARTED.append((run.calib_dir, run.hidden_dir / f"forward-{layers - 1}.done"))
     gradients = layers * per_layer if any(m.needs_gradients for m in methods) else 0
     gradients -= per_layer * len(list(run.calib_dir.glob("backward-*/*/grad-*.pt")))
     parameters = sum(math.prod(shape) for shape in stream.checkpoint.shapes.values())
@@ -319,5 +345,5 @@ def check_run_disk(run, methods, out: Path) -> None:
     check_disk([
         (run.calib_dir, hidden + max(gradients, 0), "calibration cache"),
         (run.calib_dir, saved, "converted layers"),
-        (out.parent, saved, "output"),
+        (out.parent, saved + OUTPUT_EXTRA, "output"),
     ])

@@ -204,6 +204,7 @@ def test_a_live_run_holds_out_and_a_killed_one_does_not(tiny_llama_dir, tmp_path
 TWO_RUNS_TIMEOUT = 600
 
 
+@pytest.mark.slow  # two real conversion processes at once: ~25 s alone, ~70 s on a busy 2-core machine
 def test_two_runs_started_together_do_not_both_write(warm, tmp_path):
     """Two conversions into one --out started at the same moment: one writes it, the other is refused (at once by the
     live run's lock, or, if the first was already done, because the output exists) and never reports "wrote"."""

@@ -7,6 +7,7 @@ random Llamas. The CLI runs in-process (CliRunner), except where real stderr log
 
 import errno
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -346,11 +347,45 @@ def test_unexpected_os_and_memory_errors_are_one_sentence(warm, tmp_path, monkey
     assert result.output.startswith("error:") or "\nerror: " in result.output, result.output
     assert isinstance(result.exception, SystemExit), result.exception  # handled: an exit status, not a traceback
     assert all(n in result.output for n in needles), result.output
-    assert "rerun the same command" in result.output and not out.exists()
+    assert "HFCOMPRESS_TRACEBACK=1" in result.output and not out.exists()
+    assert ("rerun the same command" in result.output) == isinstance(error, OSError)  # out of memory: other options
+    assert cache_state(cache)  # a finished calibration stays cached
 
     monkeypatch.setenv("HFCOMPRESS_TRACEBACK", "1")  # the traceback, for a bug report
     result = convert(str(tiny), "--out", str(out), "--max-ppl-increase", "1000", *FAST)
     assert result.exception is error
+
+
+def test_out_of_memory_during_calibration_leaves_no_unfinished_cache(tiny_llama_dir, tmp_path, monkeypatch):
+    """The smaller run the message asks for has another cache key: the entry this run began is removed, so nothing
+    the next run cannot use stays in the cache (Ctrl-C keeps it: the same command resumes)."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("HFCOMPRESS_CACHE", str(cache))
+    out = tmp_path / "o"
+    import hfcompress.pipeline as pipeline
+
+    with monkeypatch.context() as m:
+        fail_at(m, "calibrate: backward", MemoryError())  # the forward pass finished
+        result = convert(str(tiny_llama_dir), "--out", str(out), "--fasc-budget", "0.8", *FAST)
+    assert result.exit_code == 1, result.output
+    # the forward pass finished: the entry is complete and stays (a smaller --distill-batch-size reuses it)
+    assert any(p.name.startswith("hidden-") for p in cache.rglob("*.pt"))
+
+    shutil.rmtree(cache)
+    real_run, calls = pipeline.LayerStream.run, []
+
+    def out_of_memory_at_layer_2(self, *args, **kwargs):  # the third layer of the forward pass runs out of memory
+        calls.append(1)
+        if len(calls) == 3:
+            raise MemoryError()
+        return real_run(self, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(pipeline.LayerStream, "run", out_of_memory_at_layer_2)
+        result = convert(str(tiny_llama_dir), "--out", str(out), *FAST)
+    assert result.exit_code == 1 and "Out of memory" in result.output, result.output
+    assert "unfinished calibration cache it began" in " ".join(result.output.split()) and "--seq-len" in result.output
+    assert not [p for p in cache.rglob("*") if p.is_file() and "gguf-" not in str(p)], list(cache.rglob("*"))
 
 
 def test_other_runtime_errors_keep_their_traceback(warm, tmp_path, monkeypatch):

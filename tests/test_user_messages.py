@@ -78,6 +78,7 @@ def tiny(tmp_path_factory) -> tuple[Path, Path]:
     return save_tiny_llama(root / "tiny-llama"), root / "cache"
 
 
+@pytest.mark.slow  # two conversions: ~40 s on 2 busy cores
 def test_a_run_in_a_log_and_a_rerun_that_converts_nothing(tiny, tmp_path, monkeypatch):
     """Output to a non-terminal (as in CI): plain progress lines with counts and time, no source locations; a rerun
     says what it reused; a run that shares and factorises nothing says so; generation_config.json is written even

@@ -93,8 +93,10 @@ class ConvertOptions:
 
     @property
     def changes_layers(self) -> bool:
-        """Whether a method changes any layer (shares one, or factorises one): what distillation can train."""
-        return not (self.lisa.layers == [] or self.lisa.share_ratio == 0) or self.fasc.budget < 1.0
+        """Whether a method creates parameters (shares a layer, or factorises one): what distillation can train. A plan
+        that only drops attention creates none."""
+        shares = self.lisa.plan != "drop" and not (self.lisa.layers == [] or self.lisa.share_ratio == 0)
+        return shares or self.fasc.budget < 1.0
 
     @property
     def max_shard_bytes(self) -> int:

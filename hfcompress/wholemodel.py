@@ -20,7 +20,7 @@ from torch import nn
 from .build import assemble, cast_floating, cast_parameters
 from .calibrate import cache_key
 from .checkpoint import Checkpoint, load_tensors, save_tensors
-from .distill import DistillData
+from .distill import DistillData, trainable_parameters
 from .errors import HfcompressError
 from .families import family_of
 from .memory import available_memory
@@ -137,6 +137,11 @@ class WholeModelSteps:
         settings), so a rerun starts from the same converted layers and resumes the training from its checkpoint."""
         options, device = run.options, run.device
         student = converted_model(config, work, layer_files).to(device)
+        if not trainable_parameters(student) and not options.distill.lora_rank:  # the plan only dropped attention
+            self.skipped["distillation"] = "the layer plan created no parameters to train (it only dropped attention)"
+            console.log(f"[yellow]distillation skipped: {self.skipped['distillation']}[/]")
+            self.finishers = []
+            return
         teacher = original.to(device)
         for finisher in self.finishers:
             student, results.finished[finisher.name] = finisher.finish(student, teacher, data)

@@ -210,3 +210,13 @@ def test_drop_and_share_options_are_checked_before_any_work(tiny_llama_dir, tmp_
         assert result.exit_code == 2, (flags, result.output)
         assert message in result.output, (flags, result.output)
         assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+
+
+def test_a_plan_that_only_drops_creates_nothing_to_distil(tmp_path):
+    from hfcompress.config import ConvertOptions
+    from hfcompress.lisa import LisaOptions
+
+    assert not ConvertOptions(source="x", out=tmp_path, lisa=LisaOptions(plan="drop")).changes_layers
+    assert ConvertOptions(source="x", out=tmp_path, lisa=LisaOptions(plan="mixed")).changes_layers
+    result = runner.invoke(app, ["convert", "x", "--out", str(tmp_path / "o"), "--layer-plan", "drop", "--distill-tokens", "4096"])
+    assert result.exit_code == 2 and "shares no layer and factorises none" in result.output

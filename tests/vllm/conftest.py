@@ -1,5 +1,5 @@
 """The vLLM plugin tests run only in .venv-vllm (scripts/install_vllm.sh): without vllm installed, this folder is skipped
-(each module calls pytest.importorskip("vllm")), so the main suite in .venv is unaffected.
+(each module calls pytest.importorskip("vllm.entrypoints.llm")), so the main suite in .venv is unaffected.
 
 Their references come from the main environment (.venv, hfcompress's transformers and the remote code):
 `reference.py` runs there in a subprocess. HFCOMPRESS_MAIN_PYTHON overrides its interpreter.

@@ -15,6 +15,7 @@ one sentence, what to install when the backend is missing.
 """
 
 import importlib.util
+import math
 import shutil
 import tempfile
 from pathlib import Path
@@ -135,3 +136,48 @@ def kv_cache_bytes(cache) -> int:
     layer) and its quantized states (packed codes, scales and zeros), read from the tensors themselves."""
     seen: set = set()
     return sum(_tensor_bytes(getattr(layer, name, None), seen) for layer in cache.layers for name in KV_ATTRIBUTES)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """The bytes of a model's parameters and buffers as stored (a torchao Int8Tensor: its int8 data and scales)."""
+    seen: set = set()
+    return sum(_tensor_bytes(t, seen) for t in [*model.parameters(), *model.buffers()])
+
+
+@torch.no_grad()
+def cached_logits(model, ids: torch.Tensor, new_cache, context: int = 512, chunk: int = 32) -> list[torch.Tensor]:
+    """Logits of `ids` (1-D) read through a cache, as generation reads it: disjoint windows of `context` tokens, each
+    fed `chunk` tokens at a time into a fresh `new_cache()` (a quantized cache: every chunk attends to the quantized
+    past, its own tokens and the full-precision residual window). One (window length, vocab) tensor per window."""
+    out = []
+    for begin in range(0, len(ids) - 1, context):
+        window = ids[begin : begin + context].unsqueeze(0)
+        cache = new_cache()
+        chunks = [model(window[:, s : s + chunk], cache=cache, use_cache=True).logits[0] for s in range(0, window.shape[1], chunk)]
+        out.append(torch.cat(chunks).float())
+    return out
+
+
+def cached_perplexity(model, ids: torch.Tensor, new_cache, context: int = 512, chunk: int = 32) -> tuple[float, int]:
+    """(perplexity, tokens scored) of `ids` from `cached_logits` (each window's first token is context only)."""
+    total, count = 0.0, 0
+    for begin, logits in zip(range(0, len(ids) - 1, context), cached_logits(model, ids, new_cache, context, chunk)):
+        target = ids[begin + 1 : begin + logits.shape[0]]
+        total += torch.nn.functional.cross_entropy(logits[: len(target)], target, reduction="sum").item()
+        count += len(target)
+    return math.exp(total / count), count
+
+
+@torch.no_grad()
+def kv_bytes_per_token(model, ids: torch.Tensor, cache) -> float:
+    """KV bytes per token read from `cache`'s tensors after prefilling `ids` (1-D) in one call."""
+    model(ids.unsqueeze(0), cache=cache, use_cache=True)
+    return kv_cache_bytes(cache) / len(ids)
+
+
+def lisa_quantized_cache(model, backend: str = "quanto", **options):
+    """The LisaQuantizedCache of a converted model's own remote code (the copy transformers loaded it from)."""
+    import importlib
+
+    module = importlib.import_module(type(model).__module__.rsplit(".", 1)[0] + ".lisa_attention")
+    return module.LisaQuantizedCache(backend, model.config, **options)

@@ -111,6 +111,19 @@ def test_hqq_8_bits_generates_the_dynamic_cache_tokens_with_beams():
         assert torch.equal(dynamic, quantized), beams
 
 
+def test_fp8_backend_is_per_tensor_for_every_layer():
+    """fp8 (transformers' Fp8QuantizedLayer, one scale per tensor) takes any key width; group options are refused."""
+    _, model = tiny_pair()
+    ids = torch.randint(0, 128, (1, 40))
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True,
+                             cache_implementation="quantized", cache_config={"backend": "fp8"})
+    assert [type(layer).__name__ for layer in out.cache.layers] == ["Fp8QuantizedLayer"] * 4
+    assert out.cache.layers[2]._quantized_keys[0].dtype == torch.float8_e4m3fn
+    with pytest.raises(ValueError, match="per tensor"):
+        lisa.LisaQuantizedCache("fp8", model.config, nbits=4)
+
+
 def test_dropped_attention_layers_store_nothing():
     _, model = tiny_pair(lisa_layers={"3": SPEC["3"]}, dropped_attention_layers=[1])
     ids = torch.randint(0, 128, (1, 70))

@@ -286,7 +286,7 @@ def convert(
 
 @app.command(
     short_help="Per-layer attention similarity (LISA) and rho (FASC) of a model.",
-    epilog=f"\b\nExample:\n  hfcompress analyze {BUILTIN_SOURCE} --plot similarity.png --json analysis.json",
+    epilog=f"\b\nExample:\n  hfcompress analyze {BUILTIN_SOURCE} --plot similarity.png \\\n      --json analysis.json",
 )
 def analyze(
     source: str = typer.Argument(BUILTIN_SOURCE, help="Same SOURCE forms as `convert`."),
@@ -295,7 +295,7 @@ def analyze(
     rho: bool = typer.Option(False, "--rho", help="Also measure FASC rho per linear (needs backward passes)."),
     share_ratio: float = typer.Option(DEFAULT_SHARE_RATIO, help="Show which layers convert would share at this ratio."),
     protect_first: int = typer.Option(2, help="Number of shallow layers never shared."),
-    calib_text: str = typer.Option("auto", help=f"Calibration text: {TEXT_HELP}; auto: wikitext-2 (train split) when the Hub answers, else mix."),
+    calib_text: str = typer.Option("auto", help=f"Calibration text: {TEXT_HELP}."),
     calib_sequences: int = typer.Option(16, help="Number of calibration sequences."),
     seq_len: int = typer.Option(256, help="Calibration sequence length in tokens."),
     revision: str = typer.Option(None, help="Branch, tag or commit of a Hub source."),
@@ -323,19 +323,19 @@ def analyze(
 @app.command(
     "eval",
     short_help="Perplexity, recall, speed and lm-eval tasks of a converted model.",
-    epilog=f"\b\nExample:\n  hfcompress eval smollm2-lisa --baseline {BUILTIN_SOURCE} --json eval.json",
+    epilog=f"\b\nExample:\n  hfcompress eval smollm2-lisa --baseline {BUILTIN_SOURCE} \\\n      --json eval.json",
 )
 def evaluate(
     model: str = typer.Argument(..., help="A converted model: hfcompress output directory or Hub id."),
     baseline: str = typer.Option(None, help="Original model to measure beside it (any SOURCE form of `convert`)."),
-    eval_text: str = typer.Option("auto", help=f"Perplexity text: {TEXT_HELP}; wikitext-2 reads its test split; auto: wikitext-2 when the Hub answers, else the held-out last 25% of each domain of mix (what convert measured)."),
+    eval_text: str = typer.Option("auto", help=f"Perplexity text (held out): {TEXT_HELP}."),
     ood_text: str = typer.Option("auto", help="Second perplexity text, of another domain: numpy-docs (auto), news, usenet, FILE, builtin, wiki, wikitext-2 or none."),
     context: int = typer.Option(512, help="Perplexity window in tokens."),
     stride: int = typer.Option(None, help="Window stride in tokens (default: = context)."),
     eval_tokens: int = typer.Option(None, help="Score only the first N tokens (default: all)."),
     speed: bool = typer.Option(True, "--speed/--no-speed", help="Measure prefill/decode tokens/s side by side."),
     probe: bool = typer.Option(True, "--probe/--no-probe", help="Run the factual-recall probe."),
-    trust_remote_code: bool = typer.Option(False, help="Needed for Hub ids: runs the modeling code the repo ships."),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Needed for Hub ids: runs the modeling code the repo ships."),
     lm_eval: str = typer.Option(None, "--lm-eval", help="lm-evaluation-harness tasks (comma-separated) to run on the converted model and the original (--baseline, or the source in the report); results go into the card."),
     lm_eval_include: Path = typer.Option(None, help="A folder of lm-eval task YAML files (local, offline tasks)."),
     lm_eval_batch_size: int = typer.Option(1, help="lm-eval batch size (recorded in the card)."),

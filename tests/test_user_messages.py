@@ -141,6 +141,9 @@ def test_help_reads_at_80_columns():
     for option in ("--trust-remote-code", "--distill-gradient-checkpointing", "--max-ppl-increase", "--push-to"):
         assert option in result.output
     assert len(lines) < 160, len(lines)
+    for command in ("analyze", "eval", "push"):
+        other = runner.invoke(app, [command, "--help"], env={"COLUMNS": "80"}, terminal_width=80).output
+        assert max(len(line) for line in other.splitlines()) <= 80 and "--no-trust-remote-code" not in other, other
 
 
 # ------------------------------------------------------------------------------------------------------ plots

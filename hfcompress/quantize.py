@@ -113,8 +113,8 @@ def reloaded_logits(directory: Path, ids: torch.Tensor) -> torch.Tensor:
 def _tensor_bytes(obj, seen: set) -> int:
     """Bytes of the tensors in `obj` (a tensor, a quantized tensor subclass, or containers of them), each storage once."""
     if isinstance(obj, torch.Tensor):
-        if hasattr(obj, "__tensor_flatten__") and type(obj) is not torch.Tensor and not isinstance(obj, torch.nn.Parameter):
-            names, _ = obj.__tensor_flatten__()  # quanto's QBitsTensor: packed data, scale, shift
+        if hasattr(obj, "__tensor_flatten__"):  # a tensor subclass (plain tensors and Parameters have none)
+            names, _ = obj.__tensor_flatten__()  # quanto's QBitsTensor: packed data, scale, shift; torchao's Int8Tensor
             return sum(_tensor_bytes(getattr(obj, name), seen) for name in names)
         key = (obj.untyped_storage().data_ptr(), obj.storage_offset(), obj.numel()) if obj.numel() else id(obj)
         if key in seen:

@@ -9,7 +9,7 @@ Perplexity: the Lee news corpus (gensim's test data; no conversion here calibrat
 through the cache 32 tokens at a time (every chunk attends to the quantized past: hfcompress.quantize.cached_perplexity).
 KV bytes per token: read from the cache tensors (packed codes, scales, zeros, residual window) after a 512-token
 prefill, float32 model. Weights: the bytes of the parameters as stored. One torch thread. Writes
-benchmarks/results-quantized-stack.md.
+benchmarks/results-quantized-stack.md (quanto, 4 bits; other settings: results-quantized-stack-BACKEND-NBITSbit.md).
 """
 
 import argparse
@@ -25,7 +25,7 @@ from hfcompress.quantize import (
 from hfcompress.source import BUILTIN_SOURCE, load_source, resolve_source
 from hfcompress.text import news_text
 
-OUT = Path(__file__).with_name("results-quantized-stack.md")
+OUT = Path(__file__).with_name("results-quantized-stack.md")  # quanto 4-bit; another KV setting: -BACKEND-NBITbit.md
 CONTEXT, CHUNK = 512, 32
 
 
@@ -85,8 +85,9 @@ def main() -> None:
             f"| {name} | {ppl:.3f} | {ppl / base_ppl:.3f}x | {kv_bytes:.1f} | {kv_bytes / base_kv:.3f}x | "
             f"{w / 1e6:.1f} | {w / base_w:.3f}x |"
         )
-    OUT.write_text("\n".join(lines) + "\n")
-    print(f"wrote {OUT}")
+    out = OUT if (args.backend, args.nbits) == ("quanto", 4) else OUT.with_stem(f"{OUT.stem}-{args.backend}-{args.nbits}bit")
+    out.write_text("\n".join(lines) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -566,8 +566,10 @@ def _convert(options: ConvertOptions, argv: list[str] | None) -> Report:
         report.parameters = {"original": count_parameters(original_sizes), "converted": count_parameters(sizes)}
         config.save_pretrained(directory)
         generation = Path(source.path) / "generation_config.json"
-        generation_config = (  # a GGUF or a directory without one: the config's special tokens, as transformers does
-            GenerationConfig.from_pretrained(source.path) if generation.is_file() else GenerationConfig.from_model_config(source_config)
+        generation_config = (  # a GGUF or a directory without one: the config's special tokens
+            GenerationConfig.from_pretrained(source.path) if generation.is_file() else GenerationConfig(
+                **{k: getattr(source_config, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id") if getattr(source_config, k, None) is not None}
+            )
         )
         save_companion_files(tokenizer, generation_config, directory)
         expected = expected_logits

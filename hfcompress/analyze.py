@@ -33,7 +33,10 @@ def analyze(options: ConvertOptions, plot: Path, json_path: Path | None) -> dict
             rho.update(torch.load(methods[1].store / f"fasc-{idx}.pt")["rhos"])
 
     table = Table(title=f"{fetched.source.name}: attention similarity to the previous layer (JS, nats)")
-    columns = ("layer", "JS same head", "JS best match", "aligned output error", "matching (head <- prev head)", "shared")
+    columns = (
+        "layer", "JS same head", "JS best match", "aligned output error", "attention energy", "matching (head <- prev head)",
+        "shared",
+    )  # fmt: skip
     for column in columns:
         table.add_column(column)
     if rho:
@@ -44,6 +47,7 @@ def analyze(options: ConvertOptions, plot: Path, json_path: Path | None) -> dict
             f"{row.js_same_head:.3f}",
             f"{row.js_best_match:.3f}",
             f"{row.aligned_output_error:.3f}",
+            f"{row.attention_energy:.4f}",  # what dropping its attention changes (layer_plan.py)
             " ".join(map(str, row.matching)),
             "yes" if row.layer in chosen else "",
         ]

@@ -8,6 +8,7 @@ seconds; a step that takes under a second prints its final count only.
 """
 
 import os
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -17,7 +18,20 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 T = TypeVar("T")
-console = Console(stderr=True, log_path=False)  # no "pipeline.py:161" on every line
+
+
+def _log_width() -> int | None:
+    """Off a terminal (a log file, CI) with no COLUMNS set, 160 columns instead of rich's 80, so that a progress line
+    stays one line in the log; on a terminal, or with COLUMNS, rich's own choice."""
+    if os.environ.get("COLUMNS"):
+        return None
+    try:
+        return None if sys.stderr.isatty() else 160
+    except (AttributeError, ValueError):  # a closed or replaced stream
+        return 160
+
+
+console = Console(stderr=True, log_path=False, width=_log_width())  # no "pipeline.py:161" on every line
 PER_ITEM_LINES = 64
 PLAIN_INTERVAL = float(os.environ.get("HFCOMPRESS_PROGRESS_INTERVAL", "30"))
 

@@ -58,17 +58,24 @@ from vllm.platforms import current_platform
 from .configs import UnservableModel
 
 
-def supported_head_size(width: int, attn_backend_sizes: list[int] | None = None) -> int:
-    """The smallest head size >= width the attention backend takes: the CPU backend's list, elsewhere a multiple of 16
-    (FlashAttention and Triton take any multiple of 8 up to 256; 16 keeps bf16 tiles aligned)."""
+# head sizes every vLLM attention backend takes (the CPU backend's list; FlashAttention and Triton take these too)
+HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+
+
+def supported_head_size(width: int) -> int:
+    """The smallest head size >= width the attention backend takes (the CPU backend: its own list, 512 included)."""
+    sizes = HEAD_SIZES
     if current_platform.is_cpu():
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-        for size in CPUAttentionBackend.get_supported_head_sizes():
-            if size >= width:
-                return size
-        raise UnservableModel(f"a LISA attention group needs a head size of {width}, more than vLLM's CPU backend takes")
-    return -(-width // 16) * 16
+        sizes = CPUAttentionBackend.get_supported_head_sizes()
+    for size in sizes:
+        if size >= width:
+            return size
+    raise UnservableModel(
+        f"a LISA attention group needs a head size of {width}, more than vLLM's attention backends take ({sizes[-1]}): "
+        "convert with a shorter --lisa-max-chain"
+    )
 
 
 def run(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:

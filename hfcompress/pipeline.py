@@ -49,7 +49,7 @@ from .memory import peak_memory, return_freed_memory
 from .methods import LayerContext, Method, Planner
 from .peers import log_verdict
 from .plots import write_plots
-from .preflight import check_output, check_push_target, check_run_disk, check_source, output_lock
+from .preflight import check_distill_context, check_output, check_push_target, check_run_disk, check_source, output_lock
 from .progress import console, progress_bar
 from .push import push_folder, require_token
 from .registry import build_methods
@@ -484,6 +484,7 @@ def _convert(options: ConvertOptions, argv: list[str] | None) -> Report:
     sequences, selection_ids, texts = streams.sequences, streams.selection_ids, streams.evaluations
     eval_ids = next(iter(texts.values()))  # the calibration domain's held-out text
     whole = WholeModelSteps.decide(options, checkpoint, finishers, run.device)
+    check_distill_context(options, source_config)  # windows within the context, before calibration
 
     calibrate(run, active)
 

@@ -227,7 +227,14 @@ def check_model(options, config) -> None:
             f"--seq-len {options.seq_len} is longer than the model's context ({limit} tokens, max_position_embeddings): "
             f"give --seq-len {limit} or less (more --calib-sequences calibrate on more text)."
         )
-    if options.distill.tokens and options.distill.seq_len > limit:
+
+
+
+def check_distill_context(options, config) -> None:
+    """Distillation windows within the model's context, when distillation is asked for (after the whole-model steps
+    were decided, whose refusal of a model that does not fit comes first); before calibration."""
+    limit = context_length(config)
+    if limit is not None and options.distill.tokens and options.distill.seq_len > limit:
         raise HfcompressError(
             f"--distill-seq-len {options.distill.seq_len} is longer than the model's context ({limit} tokens, "
             f"max_position_embeddings): give --distill-seq-len {limit} or less."

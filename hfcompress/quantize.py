@@ -160,8 +160,13 @@ def cached_logits(model, ids: torch.Tensor, new_cache, context: int = 512, chunk
 
 def cached_perplexity(model, ids: torch.Tensor, new_cache, context: int = 512, chunk: int = 32) -> tuple[float, int]:
     """(perplexity, tokens scored) of `ids` from `cached_logits` (each window's first token is context only)."""
+    return window_perplexity(ids, cached_logits(model, ids, new_cache, context, chunk), context)
+
+
+def window_perplexity(ids: torch.Tensor, windows: list[torch.Tensor], context: int = 512) -> tuple[float, int]:
+    """(perplexity, tokens scored) of `ids` from the logits of its disjoint windows of `context` tokens."""
     total, count = 0.0, 0
-    for begin, logits in zip(range(0, len(ids) - 1, context), cached_logits(model, ids, new_cache, context, chunk)):
+    for begin, logits in zip(range(0, len(ids) - 1, context), windows):
         target = ids[begin + 1 : begin + logits.shape[0]]
         total += torch.nn.functional.cross_entropy(logits[: len(target)], target, reduction="sum").item()
         count += len(target)

@@ -199,10 +199,10 @@ def test_kv_backend_check_names_the_package_or_the_bits(monkeypatch):
 def test_smollm2_conversion_stacks_int8_weights_and_a_4_bit_kv_cache(tmp_path):
     """A lean real conversion written with --quantize-weights int8 (its reload check passes on the quantized logits),
     then read with transformers' quantized cache at 4 bits: greedy next tokens mostly those of the dynamic cache,
-    perplexity within 3%, and fewer KV bytes per token than the original with the same 4-bit cache."""
+    perplexity within 5%, and fewer KV bytes per token than the original with the same 4-bit cache."""
     from transformers import AutoModelForCausalLM
 
-    from hfcompress.quantize import cached_logits, cached_perplexity, kv_bytes_per_token, lisa_quantized_cache
+    from hfcompress.quantize import cached_logits, kv_bytes_per_token, lisa_quantized_cache, window_perplexity
     from hfcompress.source import BUILTIN_SOURCE, load_source, resolve_source
     from hfcompress.text import news_text
 
@@ -225,10 +225,11 @@ def test_smollm2_conversion_stacks_int8_weights_and_a_4_bit_kv_cache(tmp_path):
     ids = torch.tensor(tokenizer(news_text().text).input_ids[:1024])
     dynamic = lambda: DynamicCache(config=model.config)  # noqa: E731
     four_bit = lambda: lisa_quantized_cache(model, "quanto", nbits=4)  # noqa: E731
-    agree = [(a.argmax(-1) == b.argmax(-1)).float().mean() for a, b in zip(cached_logits(model, ids, dynamic), cached_logits(model, ids, four_bit))]
-    assert sum(agree) / len(agree) >= 0.9
-    ppl_dynamic, ppl_quantized = cached_perplexity(model, ids, dynamic)[0], cached_perplexity(model, ids, four_bit)[0]
-    assert abs(ppl_quantized / ppl_dynamic - 1) < 0.03, (ppl_dynamic, ppl_quantized)
+    logits_dynamic, logits_quantized = cached_logits(model, ids, dynamic), cached_logits(model, ids, four_bit)
+    agree = [(a.argmax(-1) == b.argmax(-1)).float().mean() for a, b in zip(logits_dynamic, logits_quantized)]
+    assert sum(agree) / len(agree) >= 0.85  # measured 0.94 (0.96, 0.92 by window)
+    ppl_dynamic, ppl_quantized = window_perplexity(ids, logits_dynamic)[0], window_perplexity(ids, logits_quantized)[0]
+    assert abs(ppl_quantized / ppl_dynamic - 1) < 0.05, (ppl_dynamic, ppl_quantized)  # measured +2.6%
 
     converted_kv = kv_bytes_per_token(model, ids[:512], four_bit())
     original_kv = kv_bytes_per_token(original, ids[:512], QuantizedCache(backend="quanto", config=original.config, nbits=4))

@@ -264,7 +264,7 @@ def test_auto_falls_back_fast_when_the_hub_is_unreachable(monkeypatch, log, hub_
     assert evaluation is calibration and calibration.name == text_module.offline_text().name  # its held-out part
     lines = log.getvalue().splitlines()
     assert len(lines) == 2 and all("the Hub at http://127.0.0.1:9 is unreachable (ConnectError)" in line for line in lines)
-    assert f"evaluation text: {calibration.name}, held-out last 25% (auto:" in lines[1]
+    assert f"evaluation text: {calibration.name}, held-out last 25% of each (auto:" in lines[1]
 
 
 def test_auto_is_bounded_when_the_hub_never_answers(monkeypatch, log, hub_traffic):
@@ -297,7 +297,8 @@ def test_auto_is_bounded_when_the_hub_never_answers(monkeypatch, log, hub_traffi
         (["convert", "{model}", "--out", "{out}", "--calib-text", "wikitext2"], "--calib-text 'wikitext2' is neither a file nor a text name"),
         (["convert", "{model}", "--out", "{out}", "--eval-text", "{missing}"], "--eval-text '{missing}' is neither a file nor a text name"),
         (["analyze", "{model}", "--calib-text", "{missing}"], "--calib-text '{missing}' is neither a file nor a text name"),
-        (["eval", "{model}", "--eval-text", "wikipedia"], "--eval-text 'wikipedia' is neither a file nor a text name"),
+        # --trust-remote-code: a plain model directory passes eval's model check, so the text option is what fails
+        (["eval", "{model}", "--trust-remote-code", "--eval-text", "wikipedia"], "--eval-text 'wikipedia' is neither a file nor a text name"),
     ],
 )
 def test_bad_text_option_is_one_sentence_and_exit_2(args, needle, tiny_llama_dir, tmp_path):

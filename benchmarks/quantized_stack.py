@@ -29,6 +29,14 @@ OUT = Path(__file__).with_name("results-quantized-stack.md")  # quanto 4-bit; an
 CONTEXT, CHUNK = 512, 32
 
 
+def converted_by(directory: Path) -> str:
+    """The command recorded in the conversion's report."""
+    import json
+
+    report = directory / "hfcompress_report.json"
+    return json.loads(report.read_text()).get("command", "?") if report.is_file() else "?"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("converted", type=Path)
@@ -72,7 +80,7 @@ def main() -> None:
         "",
         f"Converted model: `{args.converted}` (lisa_layers {sorted(int(k) for k in converted.config.lisa_layers)}, "
         f"dropped_attention_layers {getattr(converted.config, 'dropped_attention_layers', None) or []}, "
-        f"fasc_ranks {len(converted.config.fasc_ranks)} linears).",
+        f"fasc_ranks {len(converted.config.fasc_ranks)} linears), written by `{converted_by(args.converted)}`.",
         f"Perplexity: {text.name}, {scored} tokens, windows of {CONTEXT} read through the cache {CHUNK} tokens at a time. "
         f"KV bytes per token: read from the cache tensors after a {CONTEXT}-token prefill (float32 model; a quantized "
         "cache's packed codes, scales and zeros). Weights: parameters as stored. 1 torch thread.",

@@ -43,6 +43,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--backend", default="quanto", choices=["quanto", "hqq"])
     parser.add_argument("--nbits", type=int, default=4)
+    parser.add_argument("--axis", type=int, default=None, help="axis_key and axis_value of the cache (default: transformers')")
     args = parser.parse_args()
     check_kv_backend(args.backend, args.nbits)
     torch.set_num_threads(1)
@@ -53,8 +54,8 @@ def main() -> None:
     int8 = load_quantized(args.converted, "int8")
     text = news_text()
     ids = torch.tensor(tokenizer(text.text).input_ids[: args.tokens])
-    kv = {"nbits": args.nbits}
-    bits = f"{args.nbits}-bit KV ({args.backend})"
+    kv = {"nbits": args.nbits, **({"axis_key": args.axis, "axis_value": args.axis} if args.axis is not None else {})}
+    bits = f"{args.nbits}-bit KV ({args.backend}{'' if args.axis is None else f', axis {args.axis}'})"
     rows = [
         ("original", original, lambda m: DynamicCache(config=m.config)),
         (f"original + {bits}", original, lambda m: QuantizedCache(backend=args.backend, config=m.config, **kv)),
@@ -93,7 +94,8 @@ def main() -> None:
             f"| {name} | {ppl:.3f} | {ppl / base_ppl:.3f}x | {kv_bytes:.1f} | {kv_bytes / base_kv:.3f}x | "
             f"{w / 1e6:.1f} | {w / base_w:.3f}x |"
         )
-    out = OUT if (args.backend, args.nbits) == ("quanto", 4) else OUT.with_stem(f"{OUT.stem}-{args.backend}-{args.nbits}bit")
+    axis = "" if args.axis is None else f"-axis{args.axis}"
+    out = OUT if (args.backend, args.nbits, args.axis) == ("quanto", 4, None) else OUT.with_stem(f"{OUT.stem}-{args.backend}-{args.nbits}bit{axis}")
     out.write_text("\n".join(lines) + "\n")
     print(f"wrote {out}")
 

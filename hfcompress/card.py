@@ -16,6 +16,7 @@ from pathlib import Path
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from .families import FAMILIES
+from .peers import perplexities_on
 from .remote import cards_dir
 from .source import LICENCE_FILE_PREFIXES, gguf_header_strings  # file names starting so (any case) are licence files
 
@@ -250,9 +251,10 @@ def lm_eval_view(lm_eval: dict | None) -> dict | None:
 # ------------------------------------------------------------------------------------------------------- card
 def peers_view(report: dict) -> dict | None:
     """The trade-off table: the original, this conversion and the training-free peers (peers.py), each with its KV
-    cache a token relative to the original and its perplexity on every gated text; None when they were not computed."""
+    cache a token relative to the original and its perplexity on every gated text; None when they were not computed, or
+    the conversion saves no KV cache (then there is nothing to compare at its saving)."""
     peers = report.get("peers")
-    if not peers:
+    if not peers or peers["kv_values_per_token"]["converted"] >= peers["kv_values_per_token"]["original"]:
         return None
     texts = report["validation"]["texts"]
     values = peers["kv_values_per_token"]
@@ -263,7 +265,7 @@ def peers_view(report: dict) -> dict | None:
     ]  # fmt: skip
     for peer in peers["peers"]:
         layers = f" (layers {', '.join(map(str, peer['layers']))})" if peer["layers"] else ""
-        rows.append({"name": peer["name"] + layers, "kv_ratio": peer["kv_ratio"], "perplexity": [peer["perplexity"][t["eval_text"]] for t in texts]})
+        rows.append({"name": peer["name"] + layers, "kv_ratio": peer["kv_ratio"], "perplexity": perplexities_on(peer, texts)})
     return {
         "texts": [t["eval_text"].split(" (")[0] for t in texts],
         "rows": rows,

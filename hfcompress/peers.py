@@ -45,10 +45,15 @@ class Peer:
         return asdict(self)
 
 
+def head_dim(config) -> int:
+    """A head's width (transformers' Qwen2 config has no head_dim: hidden / heads)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def kv_values_per_token(config) -> int:
     """KV cache values a token a model of `config` keeps (a converted config: shared layers low-rank K and V, dropped
     layers none; a transformers config: K and V of every layer)."""
-    kv = config.num_key_value_heads * config.head_dim
+    kv = config.num_key_value_heads * head_dim(config)
     lisa = getattr(config, "lisa_layers", None) or {}
     dropped = set(getattr(config, "dropped_attention_layers", None) or [])
     total = 0
@@ -189,12 +194,19 @@ def fewest_layers_saving(saved: int, per_layer: int) -> list[int]:
     return sorted({ceil, floor} - {0})
 
 
-def quanto_available() -> bool:
+def kv_peer_unavailable(config) -> str | None:
+    """Why the 4-bit KV cache peer cannot run on a model of `config` here (None: it can)."""
     try:
         import optimum.quanto  # noqa: F401
     except ImportError:
-        return False
-    return True
+        return "the 4-bit KV cache peer needs optimum-quanto: pip install optimum-quanto"
+    from transformers import QuantizedCache
+
+    try:
+        QuantizedCache(backend="quanto", config=config, nbits=KV_BITS)
+    except ValueError as error:  # transformers' QuantizedCache takes full-attention layers only
+        return f"the 4-bit KV cache peer: {str(error).rstrip('.')}"
+    return None
 
 
 def compute_peers(
@@ -206,7 +218,7 @@ def compute_peers(
     config = original.config
     kept = kv_values_per_token(config)
     saved = kept - kv_values_per_token(converted_config)
-    per_layer = 2 * config.num_key_value_heads * config.head_dim
+    per_layer = 2 * config.num_key_value_heads * head_dim(config)
     started = time.perf_counter()
     attention_bi, layer_bi = block_influence(original, sequences)
     ranked_attention = sorted(range(1, len(attention_bi)), key=lambda i: attention_bi[i])
@@ -228,21 +240,26 @@ def compute_peers(
                 values = scored(f"{kind} {k}")
             what = ("attention block" if kind == "attention-drop" else "layer") + ("s" if k > 1 else "")
             peers.append(Peer(f"drop {k} {what} (ShortGPT BI)", kind, (kept - k * per_layer) / kept, values, layers, round(time.perf_counter() - start + influence_seconds, 1)))
-    skipped = None
-    if quanto_available():
+    skipped = kv_peer_unavailable(original.config)
+    if skipped is None:
         start = time.perf_counter()
         values, ratio = {}, 1.0
         for text, ids in evaluations.items():
             values[text], ratio = quantized_cache_perplexity(original, ids, context, max_tokens, prefix)
         peers.append(Peer(f"{KV_BITS}-bit KV cache (quanto)", "kv-quantized", ratio, values, [], round(time.perf_counter() - start, 1)))
-    else:
-        skipped = "the 4-bit KV cache peer needs optimum-quanto: pip install optimum-quanto"
     return {
         "kv_values_per_token": {"original": kept, "converted": kept - saved},
         "block_influence": {"attention": attention_bi, "layer": layer_bi, "sequences": min(len(sequences), INFLUENCE_SEQUENCES)},
         "peers": [p.to_dict() for p in peers],
         "skipped": skipped,
     }
+
+
+def perplexities_on(peer: dict, texts: list[dict]) -> list[float]:
+    """A peer's perplexity on each of the report's gated texts, in their order (the peers were scored on the same
+    texts in the same order, so a text renamed in the report after the run is found by its place)."""
+    values = list(peer["perplexity"].values())
+    return [peer["perplexity"].get(text["eval_text"], values[i]) for i, text in enumerate(texts)]
 
 
 DROP_KINDS = ("attention-drop", "layer-drop")  # the training-free peers a conversion must beat at its own saving

@@ -8,6 +8,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from .peers import perplexities_on  # noqa: E402
+
 
 def similarity_heatmap(similarity: list[dict], shared: list[int], path: Path) -> Path:
     """Per layer and head: JS divergence to the best-matched head of the previous layer; shared layers marked."""
@@ -125,7 +127,7 @@ def tradeoff(report: dict, path: Path) -> Path:
     values = peers["kv_values_per_token"]
     styles = {"attention-drop": ("o", "tab:orange"), "layer-drop": ("s", "tab:red"), "kv-quantized": ("^", "tab:purple")}
     fig, axes = plt.subplots(1, len(texts), figsize=(4.6 * len(texts), 3.6), squeeze=False)
-    for ax, text in zip(axes[0], texts):
+    for i, (ax, text) in enumerate(zip(axes[0], texts)):
         name = text["eval_text"]
         ax.scatter([1.0], [text["original"]["perplexity"]], marker="D", color="tab:gray", label="original", zorder=3)
         ax.scatter([values["converted"] / values["original"]], [text["converted"]["perplexity"]], marker="*", s=160,
@@ -133,7 +135,8 @@ def tradeoff(report: dict, path: Path) -> Path:
         for kind, (marker, color) in styles.items():
             rows = [p for p in peers["peers"] if p["kind"] == kind]
             if rows:
-                ax.scatter([p["kv_ratio"] for p in rows], [p["perplexity"][name] for p in rows], marker=marker, color=color, label=kind, zorder=3)
+                ppl = [perplexities_on(p, texts)[i] for p in rows]
+                ax.scatter([p["kv_ratio"] for p in rows], ppl, marker=marker, color=color, label=kind, zorder=3)
         ax.set_xlabel("KV cache a token (original = 1)")
         ax.set_ylabel("perplexity")
         ax.set_title(name.split(" (")[0], fontsize=9)
@@ -171,7 +174,8 @@ def write_plots(report: dict, directory: Path) -> dict[str, str]:
     if report.get("speed"):
         speed_bars(report["speed"], directory / "speed.png")
         plots["speed"] = "plots/speed.png"
-    if report.get("peers"):
+    peers = report.get("peers")
+    if peers and peers["kv_values_per_token"]["converted"] < peers["kv_values_per_token"]["original"]:
         tradeoff(report, directory / "tradeoff.png")
         plots["tradeoff"] = "plots/tradeoff.png"
     return plots

@@ -186,7 +186,7 @@ def test_perplexity_budget_search_streams_candidates_and_reuses_fits(tiny, tmp_p
 
 
 def test_whole_model_steps_skip_by_default_and_refuse_when_asked(tiny, tmp_path, monkeypatch):
-    """A model that does not fit in memory: default probe/speed are skipped with a note; asked for explicitly, they
+    """A model that does not fit in memory: default probe/speed/peers are skipped with a note; asked for explicitly, they
     are refused with one sentence before any calibration."""
     from hfcompress import wholemodel
 
@@ -203,7 +203,7 @@ def test_whole_model_steps_skip_by_default_and_refuse_when_asked(tiny, tmp_path,
     report_skipped = wholemodel.WholeModelSteps.decide(
         ConvertOptions(source=str(tiny), out=tmp_path / "c"), pipeline.Checkpoint(tiny, "tiny"), [], torch.device("cpu")
     ).describe()
-    assert report_skipped["ran"] == [] and set(report_skipped["skipped"]) == {"probe", "speed"}
+    assert report_skipped["ran"] == [] and set(report_skipped["skipped"]) == {"probe", "speed", "peers"}
 
 
 def test_methods_are_registered_units():

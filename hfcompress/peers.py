@@ -143,47 +143,29 @@ def quantized_cache_perplexity(
     model: nn.Module, ids: torch.Tensor, context: int, max_tokens: int | None, prefix: list[int], nbits: int = KV_BITS
 ) -> tuple[float, float]:  # fmt: skip
     """(perplexity, KV bytes a token relative to the unquantized cache) of `model` reading its keys and values back
-    from transformers' quantized cache (quanto): each window of `context` tokens is fed KV_CHUNK tokens at a time, so
-    every query after the first chunk attends to quantized keys, as in generation."""
+    from transformers' quantized cache (quanto, `nbits`): the gate's windows, each fed KV_CHUNK tokens at a time so
+    every query after the first chunk attends to quantized keys, as in generation (quantize.cached_logits); the bytes
+    are read from the cache tensors after one window's prefill, which quantizes every token (the long-context figure;
+    the last 128 tokens of a generation stay in full precision on top of it)."""
     from transformers import QuantizedCache
+
+    from .quantize import cached_logits, kv_bytes_per_token
+
+    def new_cache():
+        return QuantizedCache(backend="quanto", config=model.config, nbits=nbits)
 
     ids = ids[:max_tokens] if max_tokens else ids
     body = context - len(prefix)
     head = torch.tensor(list(prefix), dtype=ids.dtype)
-    nll, count, ratio = 0.0, 0, None
+    nll, count, first = 0.0, 0, None
     for begin in progress_bar(range(0, max(1, len(ids) - (0 if prefix else 1)), body), f"peers: {nbits}-bit KV cache"):
-        window = torch.cat([head, ids[begin : begin + body]]).unsqueeze(0).to(model.device)
-        cache = QuantizedCache(backend="quanto", config=model.config, nbits=nbits)
-        logits = torch.cat(
-            [model(window[:, s : s + KV_CHUNK], cache=cache, use_cache=True).logits.float() for s in range(0, window.shape[1], KV_CHUNK)],
-            dim=1,
-        )
-        scored = nn.functional.cross_entropy(logits[0, :-1], window[0, 1:], reduction="none")
-        nll, count = nll + scored.sum().item(), count + scored.numel()
-        if ratio is None and window.shape[1] > cache.layers[0].residual_length:
-            ratio = quantized_bytes_ratio(cache, window.shape[1], model.dtype)
-    return math.exp(nll / count), ratio if ratio is not None else 1.0
-
-
-def quantized_bytes_ratio(cache, tokens: int, dtype: torch.dtype) -> float:
-    """Bytes the quantized cache holds (packed values, scales, zero points, the full-precision residual window) over
-    the bytes the same tokens take unquantized in `dtype`."""
-    held = plain = 0
-    for layer in cache.layers:
-        for quantized, residual in ((layer._quantized_keys, layer.keys), (layer._quantized_values, layer.values)):
-            held += tensor_bytes(quantized) + tensor_bytes(residual)
-            plain += layer.cumulative_length * quantized.shape[1] * quantized.shape[-1] * quantized.shape[0] * dtype.itemsize
-    return held / plain
-
-
-def tensor_bytes(tensor) -> int:
-    """Storage bytes of a tensor, or of a quanto quantized tensor's inner tensors (packed data, scale, shift)."""
-    if tensor is None:
-        return 0
-    if hasattr(tensor, "__tensor_flatten__") and type(tensor) is not torch.Tensor:
-        names, _ = tensor.__tensor_flatten__()
-        return sum(tensor_bytes(getattr(tensor, name)) for name in names)
-    return tensor.numel() * tensor.element_size()
+        window = torch.cat([head, ids[begin : begin + body]]).to(model.device)
+        logits = cached_logits(model, window, new_cache, len(window), KV_CHUNK)[0]
+        nll += nn.functional.cross_entropy(logits[:-1], window[1:], reduction="sum").item()
+        count += len(window) - 1
+        first = window if first is None else first
+    plain = kv_values_per_token(model.config) * model.dtype.itemsize
+    return math.exp(nll / count), kv_bytes_per_token(model, first, new_cache()) / plain
 
 
 def fewest_layers_saving(saved: int, per_layer: int) -> list[int]:

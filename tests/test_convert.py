@@ -18,6 +18,7 @@ FAST = [
     "--distill-tokens", "0",  # the distillation stage has its own tests (test_distill.py, and one below)
     "--calib-sequences", "6", "--seq-len", "64", "--eval-tokens", "512", "--lisa-steps", "10",
     "--protect-first", "1", "--fasc-budget", "0.8",
+    "--no-peers",  # the peers have their own tests (test_layer_plan.py)
 ]
 runner = CliRunner()
 
@@ -82,6 +83,7 @@ def test_hub_round_trip(tiny_llama_dir, hub_api, hub_env, local_hub, tmp_path):
     assert (from_hub - from_dir).abs().max() <= 1e-5
 
 
+@pytest.mark.slow  # two subprocess conversions and a local Hub: 40-60 s on 2 busy cores
 def test_gate_failure_writes_marked_output_and_never_pushes(tiny_llama_dir, hub_env, local_hub, tmp_path):
     out = tmp_path / "out"
     env = {**hub_env, "HFCOMPRESS_CACHE": str(tmp_path / "cache")}
@@ -305,6 +307,7 @@ def test_alignment_variants_convert_and_reload(tiny_llama_dir, tmp_path, flags):
         assert all(f["loss_final"] < f["loss_initial"] for f in report["lisa"]["fitted"])
 
 
+@pytest.mark.slow  # a conversion scoring several candidate plans: 40-60 s on 2 busy cores
 def test_lisa_perplexity_budget_search(tiny_llama_dir, tmp_path):
     """A generous budget shares every unprotected layer after about log2(L) searched fits; the search is recorded."""
     out = tmp_path / "out"

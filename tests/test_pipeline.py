@@ -20,12 +20,12 @@ from hfcompress.fasc import FascOptions
 from hfcompress.lisa import LisaOptions
 
 SETTINGS = dict(
-    calib_sequences=8, seq_len=64, eval_tokens=512, probe=False, speed=False, max_ppl_increase=1000.0,
+    calib_sequences=8, seq_len=64, eval_tokens=512, probe=False, speed=False, peers=False, max_ppl_increase=1000.0,
     lisa=LisaOptions(share_ratio=0.5, protect_first=1, steps=10), fasc=FascOptions(budget=0.8),
     distill=DistillOptions(tokens=0),  # the distillation stage has its own tests (test_distill.py)
 )
 CLI_SETTINGS = [
-    "--calib-sequences", "8", "--seq-len", "64", "--eval-tokens", "512", "--no-probe", "--no-speed",
+    "--calib-sequences", "8", "--seq-len", "64", "--eval-tokens", "512", "--no-probe", "--no-speed", "--no-peers",
     "--max-ppl-increase", "1000", "--share-ratio", "0.5", "--protect-first", "1", "--lisa-steps", "10",
     "--fasc-budget", "0.8", "--max-shard-size", "200KB", "--distill-tokens", "0",
 ]
@@ -116,6 +116,7 @@ def test_streamed_equals_in_memory_reference_and_sharded_output_loads(tiny, stre
     assert not list(out.parent.glob(".out.partial-*"))
 
 
+@pytest.mark.slow  # an interrupted conversion and its resume: 40-60 s on 2 busy cores
 def test_interrupted_run_resumes_at_the_next_layer(tiny, streamed, tmp_path, monkeypatch):
     reference_out, _, _ = streamed
     options = ConvertOptions(source=str(tiny), out=tmp_path / "out", cache_dir=tmp_path / "cache", max_shard_size="200KB", **SETTINGS)
@@ -165,6 +166,7 @@ def test_two_gloo_processes_equal_one(tiny, streamed, tmp_path):
     assert sorted(p.name for p in (tmp_path / "cache").rglob("process*-of-2"))  # each process kept its own shard
 
 
+@pytest.mark.slow  # a conversion scoring several candidate plans: 40-60 s on 2 busy cores
 def test_perplexity_budget_search_streams_candidates_and_reuses_fits(tiny, tmp_path, monkeypatch):
     """--lisa-ppl-budget scores each candidate set by streaming it layer by layer; the final conversion reuses the
     fits of the chosen chain instead of fitting again."""
@@ -224,6 +226,7 @@ def test_methods_are_registered_units():
     assert "lisa" not in source.lower().replace("lisallama", "") and "fasc" not in source.lower()
 
 
+@pytest.mark.slow  # two conversions: 40-60 s on 2 busy cores
 def test_a_new_plan_in_the_same_cache_converts_afresh(tiny, tmp_path):
     """The convert pass's resume key includes the plan: another layer choice never picks up the layer files of an
     earlier conversion with the same cache and settings."""

@@ -26,7 +26,7 @@ from tests.tiny_models import save_tiny_llama
 runner = CliRunner()
 FAST = [
     "--calib-sequences", "6", "--seq-len", "64", "--eval-tokens", "256", "--lisa-steps", "5", "--protect-first", "1",
-    "--no-probe", "--no-speed", "--distill-tokens", "0", "--calib-text", "builtin", "--eval-text", "builtin",
+    "--no-probe", "--no-speed", "--no-peers", "--distill-tokens", "0", "--calib-text", "builtin", "--eval-text", "builtin",
     "--ood-text", "none", "--max-ppl-increase", "1000",
 ]
 SECRET = "hf_ReAdOnLy0123456789abcdefghijklmnopq"

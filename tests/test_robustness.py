@@ -26,7 +26,7 @@ runner = CliRunner()
 # the calibration settings every conversion here shares, so the cache warmed by one test serves the next
 FAST = [
     "--calib-sequences", "6", "--seq-len", "64", "--eval-tokens", "256", "--lisa-steps", "5", "--protect-first", "1",
-    "--no-probe", "--no-speed",
+    "--no-probe", "--no-speed", "--no-peers",  # the peers have their own tests (test_layer_plan.py)
     "--distill-tokens", "0",
 ]
 SECRET = "hf_SeCrEt0123456789abcdefghijklmnopqrs"  # shaped like a real user access token

@@ -15,10 +15,10 @@ from hfcompress.text import numpy_docs_name
 from tests.conftest import HUB_USER
 
 FAST = [
+    "--no-peers",  # the peers have their own tests (test_layer_plan.py)
     "--distill-tokens", "0",  # the distillation stage has its own tests (test_distill.py, and one below)
     "--calib-sequences", "6", "--seq-len", "64", "--eval-tokens", "512", "--lisa-steps", "10",
     "--protect-first", "1", "--fasc-budget", "0.8",
-    "--no-peers",  # the peers have their own tests (test_layer_plan.py)
 ]
 runner = CliRunner()
 

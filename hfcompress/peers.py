@@ -30,6 +30,7 @@ from .validate import perplexity
 INFLUENCE_SEQUENCES = 8  # calibration sequences block influence is measured on
 KV_BITS = 4
 KV_CHUNK = 64  # tokens per forward call of the quantized-cache perplexity: queries read the quantized keys
+KV_BYTES_TOKENS = 256  # the prefill the quantized cache's bytes a token are counted after
 
 
 @dataclass
@@ -145,8 +146,8 @@ def quantized_cache_perplexity(
     """(perplexity, KV bytes a token relative to the unquantized cache) of `model` reading its keys and values back
     from transformers' quantized cache (quanto, `nbits`): the gate's windows, each fed KV_CHUNK tokens at a time so
     every query after the first chunk attends to quantized keys, as in generation (quantize.cached_logits); the bytes
-    are read from the cache tensors after one window's prefill, which quantizes every token (the long-context figure;
-    the last 128 tokens of a generation stay in full precision on top of it)."""
+    are read from the cache tensors after a prefill of KV_BYTES_TOKENS tokens, which quantizes every token (the
+    long-context figure; the last 128 tokens of a generation stay in full precision on top of it)."""
     from transformers import QuantizedCache
 
     from .quantize import cached_logits, kv_bytes_per_token
@@ -165,7 +166,9 @@ def quantized_cache_perplexity(
         count += len(window) - 1
         first = window if first is None else first
     plain = kv_values_per_token(model.config) * model.dtype.itemsize
-    return math.exp(nll / count), kv_bytes_per_token(model, first, new_cache()) / plain
+    # the bytes do not depend on the tokens, only on their count, which the quantizer's groups (64 values) must divide
+    prefill = first.repeat(math.ceil(KV_BYTES_TOKENS / len(first)))[:KV_BYTES_TOKENS]
+    return math.exp(nll / count), kv_bytes_per_token(model, prefill, new_cache()) / plain
 
 
 def fewest_layers_saving(saved: int, per_layer: int) -> list[int]:

@@ -43,9 +43,10 @@ class LayerPlan:
         return len(self.shared) + len(self.dropped)
 
 
-def kv_values(config, rank: int, key_heads: int) -> dict[str, int]:
-    """Values a token each kind of layer caches: a kept layer K and V, a shared one its low-rank K and V, a dropped none."""
-    kv = config.num_key_value_heads * config.head_dim
+def kv_values(config, rank: int, key_heads: int, head_dim: int | None = None) -> dict[str, int]:
+    """Values a token each kind of layer caches: a kept layer K and V, a shared one its low-rank K and V, a dropped none
+    (`head_dim` for a config that has none: transformers' Qwen2)."""
+    kv = config.num_key_value_heads * (head_dim or config.head_dim)
     return {"keep": 2 * kv, "share": key_heads * rank + kv, "drop": 0}
 
 

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
+from .layer_plan import kv_values
 from .progress import console, progress_bar
 from .validate import perplexity
 
@@ -54,15 +55,13 @@ def head_dim(config) -> int:
 def kv_values_per_token(config) -> int:
     """KV cache values a token a model of `config` keeps (a converted config: shared layers low-rank K and V, dropped
     layers none; a transformers config: K and V of every layer)."""
-    kv = config.num_key_value_heads * head_dim(config)
     lisa = getattr(config, "lisa_layers", None) or {}
     dropped = set(getattr(config, "dropped_attention_layers", None) or [])
     total = 0
     for idx in range(config.num_hidden_layers):
-        if idx in dropped:
-            continue
-        spec = lisa.get(str(idx))
-        total += 2 * kv if spec is None else int(spec.get("key_heads", config.num_attention_heads)) * int(spec["rank"]) + kv
+        spec = lisa.get(str(idx), {})
+        values = kv_values(config, int(spec.get("rank", 0)), int(spec.get("key_heads", config.num_attention_heads)), head_dim(config))
+        total += values["drop" if idx in dropped else "share" if spec else "keep"]
     return total
 
 

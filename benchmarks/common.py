@@ -2,8 +2,8 @@
 and its attention inputs, similarity and FASC statistics (cached like the pipeline's own).
 
 The conversion itself streams layer by layer (hfcompress/pipeline.py); these scripts load SmolLM2 whole to compare
-variants of one step quickly, with the library's in-memory functions (lisa.fit_lisa, fasc.compress_linears,
-build.build_converted_model).
+variants of one step quickly, with the library's in-memory functions (hfcompress.research: fit_lisa, compress_linears,
+build_converted_model).
 """
 
 from dataclasses import dataclass
@@ -13,7 +13,7 @@ import torch
 
 from hfcompress.calibrate import cache_key, collect_attention_inputs, collect_linear_stats, load_or_compute, tensor_fingerprint
 from hfcompress.config import ConvertOptions
-from hfcompress.lisa import measure_similarity
+from hfcompress.research import measure_similarity
 from hfcompress.pipeline import token_streams
 from hfcompress.source import load_source, resolve_source, source_identity
 

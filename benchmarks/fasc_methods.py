@@ -10,11 +10,12 @@ import argparse
 import time
 from pathlib import Path
 
-from hfcompress.build import build_converted_model, parameter_counts
+from hfcompress.build import parameter_counts
 from common import prepare
 from hfcompress.config import ConvertOptions
-from hfcompress.fasc import DEFAULT_TARGETS, FascOptions, compress_linears
-from hfcompress.distill import DistillOptions, distill_model
+from hfcompress.fasc import DEFAULT_TARGETS, FascOptions
+from hfcompress.distill import DistillOptions
+from hfcompress.research import build_converted_model, compress_linears, distill_model
 from hfcompress.probe import run_probe
 from hfcompress.source import BUILTIN_SOURCE
 from hfcompress.validate import perplexity

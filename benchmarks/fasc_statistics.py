@@ -17,7 +17,8 @@ import torch
 from common import prepare_smollm2_wiki
 
 from hfcompress.calibrate import collect_linear_stats
-from hfcompress.fasc import DEFAULT_TARGETS, FascOptions, compress_linears
+from hfcompress.fasc import DEFAULT_TARGETS, FascOptions
+from hfcompress.research import compress_linears
 
 BATCH = 4
 

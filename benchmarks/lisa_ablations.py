@@ -1,5 +1,5 @@
 """LISA ablations on the built-in SmolLM2-135M-Instruct, side by side in one run: the same shared layers, the
-same calibration and held-out tokens, one row per registered variant (`lisa.ABLATIONS`: named LisaOptions, so
+same calibration and held-out tokens, one row per registered variant (`research.ABLATIONS`: named LisaOptions, so
 every row is a conversion the CLI can make too).
 
     python benchmarks/lisa_ablations.py --ratio 0.2 --steps 100
@@ -16,9 +16,9 @@ from pathlib import Path
 
 from common import prepare
 
-from hfcompress.build import build_converted_model
 from hfcompress.config import ConvertOptions
-from hfcompress.lisa import ABLATIONS, LisaOptions, fit_lisa, select_layers
+from hfcompress.lisa import LisaOptions, select_layers
+from hfcompress.research import ABLATIONS, build_converted_model, fit_lisa
 from hfcompress.source import BUILTIN_SOURCE
 from hfcompress.speed import hardware_description, measure_speed
 from hfcompress.validate import perplexity

@@ -23,12 +23,12 @@ from hfcompress.lisa import (
     fit_shared_layer,
     full_attention_scores,
     handed_over,
-    in_converted_classes,
     lowrank_rank,
     relative_error,
     rotary,
     rows,
 )
+from hfcompress.research import in_converted_classes
 
 HELD_OUT = 16
 # (label, LisaOptions overrides of the previous defaults, OLD); the rank follows from qk_compression and lowrank_keys as

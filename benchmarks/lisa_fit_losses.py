@@ -13,7 +13,8 @@ from pathlib import Path
 from common import prepare
 
 from hfcompress.config import ConvertOptions
-from hfcompress.lisa import LisaOptions, fit_lisa, select_layers
+from hfcompress.lisa import LisaOptions, select_layers
+from hfcompress.research import fit_lisa
 from hfcompress.source import BUILTIN_SOURCE
 
 

@@ -10,11 +10,12 @@ import argparse
 import time
 from pathlib import Path
 
-from hfcompress.build import build_converted_model, parameter_counts
+from hfcompress.build import parameter_counts
 from common import prepare
 from hfcompress.config import ConvertOptions
-from hfcompress.distill import DistillOptions, distill_model
-from hfcompress.lisa import LisaOptions, fit_lisa, select_layers
+from hfcompress.distill import DistillOptions
+from hfcompress.lisa import LisaOptions, select_layers
+from hfcompress.research import build_converted_model, distill_model, fit_lisa
 from hfcompress.source import BUILTIN_SOURCE
 from hfcompress.validate import perplexity
 

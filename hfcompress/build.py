@@ -16,8 +16,7 @@ from torch import nn
 
 from .errors import WRITE_FAILED_EXIT, HfcompressError
 from .families import family_for, family_of
-from .fasc import replace_linear
-from .lisa import FittedLayer, is_lisa_parameter, replace_qk
+from .lisa.weights import is_lisa_parameter
 from .remote import remote_code_files
 
 
@@ -35,36 +34,10 @@ def converted_config(original_config, entries: dict):
     return config
 
 
-def converted_state(
-    state: dict[str, torch.Tensor],
-    lisa_layers: list[FittedLayer],
-    fasc_factors: dict[str, tuple[torch.Tensor, torch.Tensor]],
-) -> dict[str, torch.Tensor]:
-    """`state` with the shared layers' Q/K replaced by their fitted modules and every factorised linear by its
-    factors (the same functions the methods apply layer by layer)."""
-    for record in lisa_layers:
-        state = replace_qk(state, record)
-    for name, (a, b) in fasc_factors.items():
-        state = replace_linear(state, name, a, b)
-    return state
-
-
-def build_converted_model(
-    original: nn.Module,
-    lisa_layers: list[FittedLayer],
-    fasc_factors: dict[str, tuple[torch.Tensor, torch.Tensor]],
-) -> nn.Module:
-    """A converted model in memory from a loaded original and fitted modules (research scripts and tests; the
-    pipeline assembles its output layer by layer)."""
-    spec = {
-        str(f.layer): {"rank": f.rank, "align": f.align, "align_hidden": f.align_hidden}
-        | ({"key_heads": f.key_heads} if f.key_heads else {})
-        for f in lisa_layers
-    }
-    ranks = {name: int(b.shape[0]) for name, (a, b) in fasc_factors.items()}
-    config = converted_config(original.config, {"lisa_layers": spec, "fasc_ranks": ranks})
-    state = converted_state(original.state_dict(), lisa_layers, fasc_factors)
-    return assemble(config, state, next(original.parameters()).dtype)
+def in_converted_classes(original: nn.Module) -> nn.Module:
+    """The original model in its family's converted classes, converting nothing (sharing the original's tensors)."""
+    config = converted_config(original.config, {"lisa_layers": {}, "fasc_ranks": {}})
+    return assemble(config, original.state_dict(), next(original.parameters()).dtype)
 
 
 def cast_floating(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

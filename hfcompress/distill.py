@@ -14,7 +14,6 @@ output; this stage trains each new module for its effect on the output, which is
 
 import math
 import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -348,13 +347,3 @@ class Distillation(Finisher):
         if self.options.gradient_checkpointing:
             student.activation_checkpointing_disable()
         return student.eval().requires_grad_(False), record
-
-
-def distill_model(
-    student: nn.Module, teacher: nn.Module, train_ids: torch.Tensor, options: DistillOptions,
-    evaluations: dict[str, torch.Tensor] | None = None, eval_context: int = 512, seed: int = 0,
-) -> tuple[nn.Module, dict]:
-    """The stage on an in-memory model (the research benchmarks), its resumable state in a temporary directory."""
-    with tempfile.TemporaryDirectory() as work:
-        data = DistillData(train_ids, evaluations or {}, eval_context, Path(work), seed)
-        return Distillation(options).finish(student, teacher, data)

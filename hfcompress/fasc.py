@@ -171,25 +171,6 @@ def layer_result(name: str, shape: tuple[int, int], rank: int | None, rho: float
     )
 
 
-def compress_linears(
-    linears: dict[str, torch.nn.Linear], stats: dict[str, LinearStats], options: FascOptions
-) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], list[FascLayerResult]]:
-    """Factor every targeted linear under one budget: ({name: (A, B)} for compressed layers, per-layer results)."""
-    rhos = {name: dependence_violation(stats[name]) for name in linears}
-    trusted = trusted_layers(rhos, options)
-    decompositions = {name: decompose(linears[name].weight, stats[name], options.method) for name in linears if name in trusted}
-    ranks = plan_ranks(decompositions, {name: tuple(lin.weight.shape) for name, lin in linears.items()}, options)
-    factors, results = {}, []
-    for name, linear in linears.items():
-        rank = ranks.get(name)
-        dec = decompositions.get(name)
-        if rank is not None:
-            a, b = dec.factors(rank)
-            factors[name] = (a.to(linear.weight.dtype), b.to(linear.weight.dtype))
-        results.append(layer_result(name, tuple(linear.weight.shape), rank, rhos[name], dec))
-    return factors, results
-
-
 FACTOR_MARKERS = (".proj_in.", ".proj_out.")  # names of a FascLinear's two factors (trainable in distillation)
 
 

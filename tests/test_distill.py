@@ -8,7 +8,6 @@ from torch import nn
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from hfcompress import distill as distill_module
-from hfcompress.build import build_converted_model
 from hfcompress.calibrate import collect_attention_inputs
 from hfcompress.distill import (
     Distillation,
@@ -17,7 +16,8 @@ from hfcompress.distill import (
     trainable_parameters,
 )
 from hfcompress.errors import HfcompressError
-from hfcompress.lisa import LisaOptions, fit_lisa, measure_similarity
+from hfcompress.lisa import LisaOptions
+from hfcompress.research import build_converted_model, fit_lisa, measure_similarity
 from hfcompress.pipeline import quality_gate
 from hfcompress.text import (
     NEWS_TEXT_NAME,

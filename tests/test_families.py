@@ -41,7 +41,8 @@ from transformers import (
 )
 from typer.testing import CliRunner
 
-from hfcompress.build import assemble, build_converted_model, converted_config
+from hfcompress.build import assemble, converted_config
+from hfcompress.research import build_converted_model
 from hfcompress.checkpoint import Checkpoint
 from hfcompress.cli import app
 from hfcompress.families import FAMILIES, family_of

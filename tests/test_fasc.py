@@ -3,7 +3,8 @@
 import torch
 
 from hfcompress.calibrate import collect_linear_stats
-from hfcompress.fasc import FascOptions, allocate_ranks, compress_linears, decompose, dependence_violation
+from hfcompress.fasc import FascOptions, allocate_ranks, decompose, dependence_violation
+from hfcompress.research import compress_linears
 
 
 class TwoLinear(torch.nn.Module):

@@ -64,10 +64,9 @@ def streamed(tiny, tmp_path_factory) -> tuple[Path, dict, Path]:
 def in_memory_reference(tiny: Path, report: dict) -> dict:
     """The conversion the old in-memory pipeline computed, from the library's in-memory functions: the same layers
     (chosen from its own similarity), the same FASC ranks and the same perplexities."""
-    from hfcompress.build import build_converted_model
     from hfcompress.calibrate import collect_attention_inputs, collect_linear_stats
-    from hfcompress.fasc import compress_linears
-    from hfcompress.lisa import fit_lisa, measure_similarity, select_layers
+    from hfcompress.lisa import select_layers
+    from hfcompress.research import build_converted_model, compress_linears, fit_lisa, measure_similarity
     from hfcompress.source import load_source, resolve_source
     from hfcompress.text import chunk, text_streams
     from hfcompress.validate import perplexity
@@ -170,11 +169,11 @@ def test_two_gloo_processes_equal_one(tiny, streamed, tmp_path):
 def test_perplexity_budget_search_streams_candidates_and_reuses_fits(tiny, tmp_path, monkeypatch):
     """--lisa-ppl-budget scores each candidate set by streaming it layer by layer; the final conversion reuses the
     fits of the chosen chain instead of fitting again."""
-    from hfcompress import lisa
+    from hfcompress.lisa import method
 
     fits = []
-    real_fit = lisa.fit_shared_layer
-    monkeypatch.setattr(lisa, "fit_shared_layer", lambda *a, **k: fits.append(a[3]) or real_fit(*a, **k))
+    real_fit = method.fit_shared_layer
+    monkeypatch.setattr(method, "fit_shared_layer", lambda *a, **k: fits.append(a[3]) or real_fit(*a, **k))
     settings = {**SETTINGS, "lisa": LisaOptions(ppl_budget=1000.0, protect_first=1, steps=5), "fasc": FascOptions()}
     report = pipeline.convert(ConvertOptions(source=str(tiny), out=tmp_path / "out", cache_dir=tmp_path / "cache", **settings), argv=[]).to_dict()
     search = report["lisa"]["perplexity_search"]

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from hfcompress.build import build_converted_model
+from hfcompress.research import build_converted_model
 from hfcompress.source import BUILTIN_SOURCE, load_source, resolve_source
 
 pytestmark = pytest.mark.slow

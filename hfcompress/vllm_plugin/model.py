@@ -167,7 +167,7 @@ class LayerPlan:
     key_heads: int = 0
     source: list[int] = field(default_factory=list)
     root: int | None = None  # a group's root layer (grouped layout)
-    layout: str = "plain"  # plain (a full layer's own d-wide cache), grouped, own
+    layout: str = "plain"  # plain (a full layer's own d-wide cache), lowrank, grouped, own
     # grouped: the group's layers in order, the head size P, this layer's key / value slot offsets
     members: list[int] = field(default_factory=list)
     head_size: int = 0
@@ -179,6 +179,10 @@ class LayerPlan:
     cache_heads: int = 0
     width: int = 0  # logical feature width: d + sum of the chain's ranks
     hands_off: bool = False  # a shared layer follows
+    above: str = ""  # the layout of the shared layer above (what this layer hands it)
+    # lowrank: per part of the logical key (the root's K, then each shared layer's low-rank keys up to this one),
+    # (layer index, per query head the head of that part it reads, its width, its low-rank key heads)
+    parts: list[tuple[int, list[int], int, int]] = field(default_factory=list)
 
 
 def read_sources(model_dir: str, revision: str | None, layers: list[int]) -> dict[int, list[int]]:
@@ -207,7 +211,9 @@ def read_sources(model_dir: str, revision: str | None, layers: list[int]) -> dic
     return found
 
 
-def plan_layers(config, sources: dict[int, list[int]]) -> list[LayerPlan]:
+def plan_layers(config, sources: dict[int, list[int]], lowrank: bool = False) -> list[LayerPlan]:
+    """The cache plan of every layer; `lowrank`: the shared layers cache their low-rank keys and V and read the root's
+    K from its cache (lowrank.py; where the root's cache layout is readable), else the concatenated-feature layouts."""
     heads, kv = config.num_attention_heads, config.num_key_value_heads
     d, g = head_dim(config), config.num_attention_heads // config.num_key_value_heads
     types = config.attention_types
@@ -233,14 +239,15 @@ def plan_layers(config, sources: dict[int, list[int]]) -> list[LayerPlan]:
         chain = [plans[idx]]
         while chain[-1].idx + 1 < len(plans) and plans[chain[-1].idx + 1].kind == "shared":
             chain.append(plans[chain[-1].idx + 1])
-        plan_chain(chain, heads, kv, d, g)
+        plan_chain(chain, heads, kv, d, g, lowrank)
         idx = chain[-1].idx + 1
     return plans
 
 
-def plan_chain(chain: list[LayerPlan], heads: int, kv: int, d: int, g: int) -> None:
+def plan_chain(chain: list[LayerPlan], heads: int, kv: int, d: int, g: int, lowrank: bool = False) -> None:
     """Trace, for every shared layer's head, which root KV head and which low-rank key of each earlier layer its
-    features read; choose the grouped layout when every layer's KV groups map one-to-one onto the root's KV heads."""
+    features read; `lowrank`: every shared layer caches its own low-rank keys and V and reads the other parts where
+    they lie; else choose the grouped layout when every layer's KV groups map one-to-one onto the root's KV heads."""
     root = chain[0]
     reads = [[(h // g,) for h in range(heads)]]  # per layer, per head: (root KV head, low-rank key head per part...)
     width = d
@@ -249,6 +256,17 @@ def plan_chain(chain: list[LayerPlan], heads: int, kv: int, d: int, g: int) -> N
         reads.append([reads[-1][plan.source[h]] + (h // per_key,) for h in range(heads)])
         width += plan.rank
         plan.width = width
+    root.members = [p.idx for p in chain]
+    if lowrank:
+        for below, plan, layer_reads in zip(chain, chain[1:], reads[1:]):
+            plan.layout, plan.root, plan.members = "lowrank", root.idx, root.members
+            plan.cache_heads, plan.head_size = kv, d
+            plan.parts = [
+                (p.idx, [read[n] for read in layer_reads], p.rank if n else d, p.key_heads)
+                for n, p in enumerate(chain[: len(layer_reads[0])])
+            ]
+            below.above = "lowrank"
+        return
     grouped = True
     orders, groups = [], []
     for plan, layer_reads in zip(chain[1:], reads[1:]):
@@ -274,7 +292,6 @@ def plan_chain(chain: list[LayerPlan], heads: int, kv: int, d: int, g: int) -> N
             break
         orders.append(order)
         groups.append(kv_of_group)
-    root.members = [p.idx for p in chain]
     if grouped:
         key_width = d + sum(p.rank for p in chain[1:])
         value_width = d * len(chain)
@@ -288,8 +305,9 @@ def plan_chain(chain: list[LayerPlan], heads: int, kv: int, d: int, g: int) -> N
             plan.order, plan.kv_of_group = order, kv_of_group
             offset += plan.rank
         return
-    for plan, layer_reads in zip(chain[1:], reads[1:]):
+    for below, plan, layer_reads in zip(chain, chain[1:], reads[1:]):
         consistent = all(layer_reads[h] == layer_reads[(h // g) * g] for h in range(heads))
+        below.above = "own"
         plan.layout, plan.root, plan.members = "own", root.idx, root.members
         plan.cache_heads = kv if consistent else heads
         plan.head_size = supported_head_size(max(plan.width, d))
@@ -306,15 +324,31 @@ def describe(plans: list[LayerPlan]) -> dict[int, str]:
             out[plan.idx] = f"grouped (root {plan.root}, head size {plan.head_size})"
         elif plan.layout == "own":
             out[plan.idx] = f"own ({plan.cache_heads} heads x {plan.head_size})"
+        elif plan.layout == "lowrank":
+            out[plan.idx] = f"lowrank (root {plan.root}, keys {plan.key_heads} x {plan.rank}, values {plan.cache_heads} x {plan.head_size})"
         else:
             out[plan.idx] = "plain"
     return out
 
 
-def kv_layout(config, model_dir: str, revision: str | None = None) -> dict[int, str]:
-    """The cache layout the plugin gives each layer of the converted model in `model_dir` (vLLM's hf_config)."""
+def lowrank_layout(config, dtype: torch.dtype, block_size: int | None) -> bool:
+    """Whether the shared layers get the low-rank layout (their own keys and V; the root's K read from its cache):
+    wherever the full layers' cache layout is one lowrank.py reads (vLLM's CPU backend, not its AMX packing), unless
+    HFCOMPRESS_VLLM_KV=concat asks for the concatenated-feature layouts (grouped / own)."""
+    from .lowrank import root_cache_readable
+
+    choice = os.environ.get("HFCOMPRESS_VLLM_KV", "lowrank")
+    if choice not in ("lowrank", "concat"):
+        raise UnservableModel(f"HFCOMPRESS_VLLM_KV={choice!r}: use lowrank (the default) or concat.")
+    return choice == "lowrank" and root_cache_readable(dtype, block_size, supported_head_size(head_dim(config)))
+
+
+def kv_layout(config, model_dir: str, revision: str | None = None, dtype: torch.dtype = torch.float32,
+              block_size: int | None = None) -> dict[int, str]:  # fmt: skip
+    """The cache layout the plugin gives each layer of the converted model in `model_dir` (vLLM's hf_config), served at
+    `dtype` and `block_size`."""
     sources = read_sources(model_dir, revision, sorted(int(k) for k in config.lisa_layers))
-    return describe(plan_layers(config, sources))
+    return describe(plan_layers(config, sources, lowrank_layout(config, dtype, block_size)))
 
 
 # ---------------------------------------------------------------------------------------------------------- modules
@@ -404,9 +438,11 @@ class FullAttention(nn.Module):
                 out = self.attn(*(nn.functional.pad(x.reshape(t, -1, d), pad).reshape(t, -1) for x in (q, k, v)))
                 out = out.view(t, self.num_heads, self.padded)[..., :d].reshape(t, -1)
             handoff = None
-            if self.plan.hands_off:  # own layout above: logical features per head
+            if self.plan.hands_off:  # the scaled query per head (own layout above: the keys per head too)
                 qs = q.reshape(t, self.num_heads, d) * self.scaling
-                keys = k.reshape(t, self.num_kv_heads, d).repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
+                keys = None
+                if self.plan.above == "own":
+                    keys = k.reshape(t, self.num_kv_heads, d).repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
                 handoff = Handoff(qs, keys, None, None)
             return run(self.o_proj, out), handoff
         size = self.plan.head_size
@@ -437,7 +473,19 @@ class SharedAttention(nn.Module):
         self.theta = float(rope_parameters(config, plan.attention_type)["rope_theta"])
         window = window_of(config, plan.attention_type)
         self.root_attn_name = f"{root_prefix}.attn"
-        if plan.layout == "grouped":
+        if plan.layout == "lowrank":
+            from .lowrank import KeyPart, LowRankCacheAttention
+
+            layers = prefix.rsplit(".", 2)[0]  # "model.layers"
+            parts = [
+                KeyPart(f"{layers}.{idx}.self_attn.attn", "lowrank" if n else "root", part_heads, width, key_heads)
+                for n, (idx, part_heads, width, key_heads) in enumerate(plan.parts)
+            ]
+            self.attn = LowRankCacheAttention(
+                num_heads=h, num_kv_heads=kv, key_width=plan.key_heads * r // kv, head_dim=d, parts=parts,
+                cache_config=cache_config, sliding_window=window, prefix=f"{prefix}.attn",
+            )  # fmt: skip
+        elif plan.layout == "grouped":
             self.register_buffer("order", torch.tensor(plan.order), persistent=False)
             self.register_buffer("unorder", torch.argsort(torch.tensor(plan.order)), persistent=False)
             self.register_buffer("kv_of_group", torch.tensor(plan.kv_of_group), persistent=False)
@@ -463,6 +511,10 @@ class SharedAttention(nn.Module):
         q, k_lr = self.features(positions, x, prev)
         v = run(self.v_proj, x).view(t, self.num_kv_heads, d)
         size = plan.head_size
+        if plan.layout == "lowrank":
+            out = self.attn.attend(q.contiguous(), k_lr.reshape(t, self.num_kv_heads, -1), v)
+            handoff = Handoff(q, None, None, None) if plan.hands_off else None
+            return run(self.o_proj, out.reshape(t, -1)), handoff
         if plan.layout == "grouped":
             from vllm.model_executor.layers.attention.attention import unified_kv_cache_update
 
@@ -536,7 +588,8 @@ class LisaModel(nn.Module):
         self.family = FAMILIES[config.model_type]
         shared = sorted(int(k) for k in config.lisa_layers)
         sources = read_sources(vllm_config.model_config.model, vllm_config.model_config.revision, shared)
-        self.plans = plan_layers(config, sources)
+        lowrank = lowrank_layout(config, vllm_config.model_config.dtype, vllm_config.cache_config.block_size)
+        self.plans = plan_layers(config, sources, lowrank)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens")
         self.layers = nn.ModuleList(
             [DecoderLayer(vllm_config, self.family, plan, f"{prefix}.layers.{plan.idx}") for plan in self.plans]

@@ -1,0 +1,267 @@
+"""The attention this plugin owns for LISA shared layers: each caches what the remote code caches, its low-rank keys
+and its V in their own widths, and reads the layer below's keys where they lie, in the root layer's paged cache.
+
+A shared layer l (sparse Align) scores query head h as
+    S_l[h] = scale[h] S_{l-1}[source[h]] + q_lr[h] . k_lr[key(h)] / sqrt(r),
+one attention over concatenated features: the query [scale q_{l-1}[source] | q_lr / sqrt(r)] (built by the model), the
+key [K_root[root head of h] | k_lr of the chain's earlier shared layers | k_lr of this layer]. Only the last part is this
+layer's; the root's K sits in the root layer's cache (vLLM's CPU attention backend, read in its layout), the earlier
+shared layers' low-rank keys in their own caches (this module's layout). So a shared layer's cache per token and KV head
+is its low-rank keys (r, or g * r with one low-rank key per query head) and V (d): on SmolLM2 3 x (20 + 64) = 252 values
+a token against the original layer's 384, what the remote code holds.
+
+vLLM side: `LowRankCacheAttention` is a vLLM `Attention` (so vLLM sizes, allocates, binds and prefix-caches its cache
+like any other: a `FullAttentionSpec` / `SlidingWindowSpec` with head_size = key width and head_size_v = d; the layers
+of one attention type share one block table, each with its own page size) whose backend (`LowRankBackend`) is this
+module: its cache is [blocks, KV, block_size, key width + d], keys first; the attention is the op
+`torch.ops.vllm.hfcompress_lisa_attention` (opaque to torch.compile), in torch: per request, the keys and values of
+its blocks gathered, the scores masked causally (and by the window), softmax, times V.
+
+The root's cache is the CPU backend's: per block and KV head the keys as [head size, block_size] (transposed), then
+the values. Its AMX layout (bf16 on CPUs with AMX) packs keys otherwise, and GPU backends have their own: there the
+model falls back to the concatenated-feature layouts (model.plan_layers); the layer also checks, on its first call,
+that the root's attention runs the ISA whose layout it reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.attention import Attention
+from vllm.utils.torch_utils import direct_register_custom_op
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from .configs import UnservableModel
+
+# the CPU attention ISAs whose key layout `root_keys` reads (transposed within a block); "amx" packs keys otherwise
+READABLE_ISAS = ("vec", "vec16")
+
+
+def root_cache_readable(dtype: torch.dtype, block_size: int | None, head_size: int) -> bool:
+    """Whether a full layer's paged cache (vLLM's CPU attention backend at this dtype, block size and head size) is in
+    the layout `root_keys` reads: the CPU platform, and an ISA other than AMX."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    try:
+        return _get_attn_isa(dtype, block_size or 128, head_size, "auto") in READABLE_ISAS
+    except Exception:  # noqa: BLE001 - an ISA this vLLM cannot pick: not readable
+        return False
+
+
+@dataclass
+class LowRankMetadata:
+    num_actual_tokens: int
+    query_start: list[int]  # per request, its first query token (num_reqs + 1 entries)
+    seq_lens: list[int]  # per request, its keys (cached + current)
+    block_table: torch.Tensor  # (num_reqs, blocks)
+    slot_mapping: torch.Tensor  # (tokens,)
+
+
+class LowRankMetadataBuilder(AttentionMetadataBuilder[LowRankMetadata]):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False):
+        meta = common_attn_metadata
+        return LowRankMetadata(
+            num_actual_tokens=meta.num_actual_tokens,
+            query_start=meta.query_start_loc_cpu[: meta.num_reqs + 1].tolist(),
+            seq_lens=meta.seq_lens[: meta.num_reqs].cpu().tolist(),
+            block_table=meta.block_table_tensor[: meta.num_reqs],
+            slot_mapping=meta.slot_mapping,
+        )
+
+
+class LowRankImpl(AttentionImpl):
+    """vLLM builds one per layer; the attention itself is `lisa_attention` (the layer calls it with its features)."""
+
+    def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
+                 logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_sharing_target_layer_name=None, **kwargs):  # fmt: skip
+        self.num_heads, self.head_size, self.scale, self.num_kv_heads = num_heads, head_size, scale, num_kv_heads
+        self.sliding_window = sliding_window
+        self.kv_cache_dtype = kv_cache_dtype
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None):
+        raise NotImplementedError("LISA low-rank cache layers attend through torch.ops.vllm.hfcompress_lisa_attention")
+
+
+class LowRankBackend(AttentionBackend):
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto"]
+    forward_includes_kv_cache_update: bool = True  # the op writes the current tokens' rows itself
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls():
+        return LowRankImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return LowRankMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None):
+        return [MultipleOf(1)]
+
+    @classmethod
+    def supported_kv_cache_layouts(cls):
+        return (KVCacheLayout.LBHNC,)
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
+
+
+@dataclass
+class KeyPart:
+    """One part of a shared layer's logical key: the root's K ("root": read from a CPU-backend cache) or an earlier /
+    this shared layer's low-rank keys ("lowrank": read from a LowRankCacheAttention cache), and, per query head, which of
+    that part's heads it reads."""
+
+    layer_name: str  # the vLLM attention layer holding it
+    kind: str  # root | lowrank
+    heads: list[int]
+    width: int  # d (root) or r (lowrank)
+    key_heads: int = 0  # lowrank: the layer's low-rank key heads
+
+
+class LowRankCacheAttention(Attention):
+    """A shared layer's vLLM attention: its cache holds its low-rank keys and V ([blocks, KV, block, key_width + d])."""
+
+    def __init__(self, *, num_heads: int, num_kv_heads: int, key_width: int, head_dim: int, parts: list[KeyPart],
+                 cache_config, sliding_window: int | None, prefix: str):  # fmt: skip
+        super().__init__(
+            num_heads, key_width, 1.0, num_kv_heads=num_kv_heads, cache_config=cache_config,
+            per_layer_sliding_window=sliding_window, prefix=prefix, attn_backend=LowRankBackend, head_size_v=head_dim,
+        )  # fmt: skip
+        self.parts = parts
+        self.key_width, self.head_dim = key_width, head_dim
+        self.window = sliding_window
+        self.register_buffer("value_heads", torch.arange(num_heads) // (num_heads // num_kv_heads), persistent=False)
+        for n, part in enumerate(parts):
+            self.register_buffer(f"part_heads_{n}", torch.tensor(part.heads), persistent=False)
+        self.checked = False
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """query (t, H, width) features, key (t, KV, key_width) this layer's low-rank keys as cached, value (t, KV, d):
+        the attention output (t, H, d)."""
+        output = torch.empty(query.shape[0], self.num_heads, self.head_dim, dtype=query.dtype, device=query.device)
+        torch.ops.vllm.hfcompress_lisa_attention(query, key, value, output, self.layer_name)
+        return output
+
+
+def root_keys(cache: torch.Tensor, blocks: torch.Tensor, width: int) -> torch.Tensor:
+    """The keys (KV, len(blocks) * block_size, width) a CPU-backend layer cached in `blocks`: its cache is [blocks, KV,
+    block_size, 2 * head_size], per block and KV head the keys as [head_size, block_size], then the values."""
+    num_blocks, kv, block, double = cache.shape
+    size = double // 2
+    keys = cache.view(num_blocks, kv, 2 * block, size)[:, :, :block][blocks]  # a copy: [n, KV, block, size] in memory
+    keys = keys.view(len(blocks), kv, size, block)[:, :, :width]  # ... which holds [size, block] per block and head
+    return keys.permute(1, 0, 3, 2).reshape(kv, -1, width)
+
+
+def own_rows(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """The rows (KV, len(blocks) * block_size, key_width + d) of a LowRankCacheAttention cache in `blocks`."""
+    rows = cache[blocks]  # [n, KV, block, C]
+    return rows.transpose(0, 1).reshape(rows.shape[1], -1, rows.shape[-1])
+
+
+def lisa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
+    context = get_forward_context()
+    metadata = context.attn_metadata
+    if isinstance(metadata, list):
+        metadata = metadata[0]
+    layer: LowRankCacheAttention = context.no_compile_layers[layer_name]
+    meta = metadata.get(layer_name) if isinstance(metadata, dict) else metadata
+    if meta is None or layer.kv_cache.numel() == 0:  # the profile / warm-up run: no cache yet
+        output.zero_()
+        return
+    n = meta.num_actual_tokens
+    cache = layer.kv_cache
+    # this layer's rows of the current tokens
+    slots = meta.slot_mapping[:n].long()
+    block = cache.shape[2]
+    valid = slots >= 0
+    rows = torch.cat([key[:n], value[:n]], dim=-1)
+    if not bool(valid.all()):
+        slots, rows = slots[valid], rows[valid]
+    cache[slots // block, :, slots % block] = rows.to(cache.dtype)
+    if n < output.shape[0]:
+        output[n:].zero_()
+
+    if not layer.checked:
+        for part in layer.parts:
+            if part.kind == "root":
+                isa = getattr(context.no_compile_layers[part.layer_name], "isa", None)
+                if isa not in READABLE_ISAS:
+                    raise UnservableModel(
+                        f"{layer_name}: the layer below runs vLLM's CPU attention with ISA {isa!r}, whose cache layout "
+                        "the hfcompress plugin does not read; serve with dtype float32 (or set HFCOMPRESS_VLLM_KV=concat)."
+                    )
+        layer.checked = True
+
+    sources = []  # per part: (cache, metadata whose block table addresses it)
+    for part in layer.parts:
+        source_meta = metadata[part.layer_name] if isinstance(metadata, dict) else metadata
+        sources.append((context.no_compile_layers[part.layer_name].kv_cache, source_meta))
+    for r, (start, stop) in enumerate(zip(meta.query_start[:-1], meta.query_start[1:])):
+        if stop <= start or start >= n:
+            continue
+        stop = min(stop, n)
+        length = meta.seq_lens[r]
+        keys, own = [], None
+        for n_part, (part, (source, source_meta)) in enumerate(zip(layer.parts, sources)):
+            blocks = source_meta.block_table[r, : -(-length // source.shape[2])]
+            head_index = getattr(layer, f"part_heads_{n_part}")
+            if part.kind == "root":
+                part_keys = root_keys(source, blocks, part.width)[:, :length]
+            else:
+                stored = own_rows(source, blocks)[:, :length]
+                if part.layer_name == layer_name:
+                    own = stored
+                kv = stored.shape[0]
+                per_cache_head = part.key_heads // kv
+                part_keys = stored[..., : per_cache_head * part.width].reshape(kv, length, per_cache_head, part.width)
+                part_keys = part_keys.transpose(1, 2).reshape(part.key_heads, length, part.width)
+            keys.append(part_keys.index_select(0, head_index))
+        keys = torch.cat(keys, dim=-1)  # (H, L, width)
+        values = own[..., layer.key_width :].index_select(0, layer.value_heads)  # (H, L, d)
+        q = query[start:stop].transpose(0, 1)  # (H, q, width)
+        scores = torch.matmul(q, keys.transpose(1, 2))  # (H, q, L)
+        q_pos = torch.arange(length - (stop - start), length, device=q.device)[:, None]
+        k_pos = torch.arange(length, device=q.device)[None, :]
+        hidden = k_pos > q_pos
+        if layer.window is not None:
+            hidden = hidden | (q_pos - k_pos >= layer.window)
+        scores = scores.float().masked_fill(hidden, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        output[start:stop] = torch.matmul(probs, values).transpose(0, 1)
+
+
+def lisa_attention_fake(query, key, value, output, layer_name) -> None:
+    return None
+
+
+if not hasattr(torch.ops.vllm, "hfcompress_lisa_attention"):
+    direct_register_custom_op(
+        op_name="hfcompress_lisa_attention", op_func=lisa_attention, mutates_args=["output"], fake_impl=lisa_attention_fake
+    )

@@ -1,52 +1,52 @@
-"""The converted configs as vLLM reads them (transformers of vLLM's environment, no remote code imported).
+"""The converted configs as vLLM reads them: the remote code's own config classes (modeling/configuration_lisa_*.py,
+imported in-process through hfcompress.remote; no trust_remote_code), each with the checks of what this plugin serves.
 
-Each is the family's transformers config plus the conversion specs (`lisa_layers`, `fasc_ranks`,
-`dropped_attention_layers`). `layer_types` of a converted config names cache layer types ("lisa_attention",
-"dropped_sliding_attention", ...); here it is turned back into attention types, which vLLM and the family config
-understand, and the conversion's own view is kept in `lisa_cache_types`.
+`layer_types` of a converted config names cache layer types ("lisa_attention", "dropped_sliding_attention", ...); for
+vLLM (and, for the families that keep a `layer_types` field, the family config of vLLM's transformers) it is turned back
+into attention types, and the conversion's own view is kept in `lisa_cache_types`.
 
 What the plugin cannot serve is refused here, while vLLM parses config.json (before it builds the model or allocates
 any memory), with one sentence that names config.json, the layers, and the conversion option to use instead.
 """
 
 from huggingface_hub.dataclasses import strict
-from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-# the spec keys of a LISA layer this plugin implements (modeling/configuration_lisa.py of this hfcompress)
-LISA_SPEC_KEYS = {"rank", "align", "align_hidden", "key_heads"}
-# cache layer type of a converted config -> attention type
-CACHE_TYPES = {
-    "full_attention": "full_attention",
-    "sliding_attention": "sliding_attention",
-    "lisa_attention": "full_attention",
-    "lisa_sliding_attention": "sliding_attention",
-    "dropped_attention": "full_attention",
-    "dropped_sliding_attention": "sliding_attention",
-}
+from hfcompress.remote import import_remote
+
+_lisa = import_remote("configuration_lisa")
+# the spec keys of a LISA layer the modeling (and this plugin) implements
+LISA_SPEC_KEYS = set(_lisa.lisa_spec({"rank": 0}, 1))
+# layer type of a converted config (an attention type, or a LISA / dropped cache layer type) -> attention type
+CACHE_TYPES = {**{t: t for t in _lisa.LISA_CACHE_TYPES}, **_lisa.ATTENTION_TYPES}
 
 
 class UnservableModel(ValueError):
     """A converted model (or a config field) this plugin cannot serve; the message is one sentence for the user."""
 
 
-class LisaSpecsMixin:
-    """Normalises and checks the conversion specs (a family config calls `lisa_setup()` first in __post_init__)."""
+class LisaServableMixin:
+    """Before a remote config's own __post_init__: refuses unknown layer kinds and hands the family config attention
+    types; after it: refuses what the plugin cannot serve, and keeps the cache layer types in `lisa_cache_types`."""
 
-    def lisa_setup(self) -> None:
-        self.lisa_layers = {str(k): dict(v) for k, v in (self.lisa_layers or {}).items()}
-        self.fasc_ranks = {str(k): int(v) for k, v in (self.fasc_ranks or {}).items()}
-        self.dropped_attention_layers = sorted({int(i) for i in self.dropped_attention_layers or []})
-        types = getattr(self, "layer_types", None)
+    def __post_init__(self, **kwargs):
+        types = vars(self).get("layer_types")  # a field in the families that keep one (Qwen2, Qwen3, Gemma 3)
         if types is not None:
-            unknown = sorted(set(types) - set(CACHE_TYPES))
-            if unknown:
-                raise UnservableModel(
-                    f"config.json: layer_types {unknown} are layer kinds this hfcompress vLLM plugin does not serve; "
-                    "upgrade hfcompress (pip install -U 'hfcompress[vllm]') to the version that converted the model."
-                )
-            self.lisa_cache_types = list(types)
-            self.layer_types = [CACHE_TYPES[t] for t in types]
+            self.layer_types = self.attention_types_of(types)
+        super().__post_init__(**kwargs)
+        self.lisa_cache_types = self.cache_layer_types()
+        if "layer_types" in vars(self):  # the remote config wrote its cache layer types back
+            self.layer_types = self.attention_types_of(self.layer_types)
         self.check_servable()
+
+    @staticmethod
+    def attention_types_of(types: list[str]) -> list[str]:
+        unknown = sorted(set(types) - set(CACHE_TYPES))
+        if unknown:
+            raise UnservableModel(
+                f"config.json: layer_types {unknown} are layer kinds this hfcompress vLLM plugin does not serve; "
+                "upgrade hfcompress (pip install -U 'hfcompress[vllm]') to the version that converted the model."
+            )
+        return [CACHE_TYPES[t] for t in types]
 
     def check_servable(self) -> None:
         n = self.num_hidden_layers
@@ -55,9 +55,10 @@ class LisaSpecsMixin:
             extra = set(spec) - LISA_SPEC_KEYS
             if extra:
                 unknown[key] = sorted(extra)
-            if spec.get("align", "dense") == "dense":
+            align = spec.get("align", _lisa.DEFAULT_ALIGN)
+            if align == "dense":
                 dense.append(int(key))
-            elif spec.get("align") != "sparse":
+            elif align != "sparse":
                 unknown[key] = [f"align={spec.get('align')!r}"]
         if unknown:
             raise UnservableModel(
@@ -84,107 +85,19 @@ class LisaSpecsMixin:
             if kh not in (self.num_attention_heads, self.num_key_value_heads) or int(spec["rank"]) % 2:
                 raise UnservableModel(f"config.json: lisa_layers['{key}'] {spec} is not a valid LISA spec for this model.")
 
-    @property
-    def attention_types(self) -> list[str]:
-        types = getattr(self, "layer_types", None)
-        if types is not None:
-            return list(types)
-        window = getattr(self, "sliding_window", None)
-        return ["sliding_attention" if window is not None else "full_attention"] * self.num_hidden_layers
 
-
-@strict
-class VllmLisaLlamaConfig(LisaSpecsMixin, LlamaConfig):
-    model_type = "lisa_llama"
-    lisa_layers: dict | None = None
-    fasc_ranks: dict | None = None
-    dropped_attention_layers: list | None = None
-
-    def __post_init__(self, **kwargs):
-        self.lisa_setup()
-        super().__post_init__(**kwargs)
-
-    @property
-    def attention_types(self) -> list[str]:
-        return ["full_attention"] * self.num_hidden_layers
-
-    @property
-    def projection_biases(self) -> dict[str, bool]:
-        return dict.fromkeys(("q_proj", "k_proj", "v_proj", "o_proj"), self.attention_bias)
-
-
-@strict
-class VllmLisaMistralConfig(LisaSpecsMixin, MistralConfig):
-    model_type = "lisa_mistral"
-    lisa_layers: dict | None = None
-    fasc_ranks: dict | None = None
-    dropped_attention_layers: list | None = None
-
-    def __post_init__(self, **kwargs):
-        self.lisa_setup()
-        super().__post_init__(**kwargs)
-
-    @property
-    def attention_types(self) -> list[str]:
-        return ["sliding_attention" if self.sliding_window is not None else "full_attention"] * self.num_hidden_layers
-
-    @property
-    def projection_biases(self) -> dict[str, bool]:
-        return dict.fromkeys(("q_proj", "k_proj", "v_proj", "o_proj"), False)
-
-
-@strict
-class VllmLisaQwen2Config(LisaSpecsMixin, Qwen2Config):
-    model_type = "lisa_qwen2"
-    lisa_layers: dict | None = None
-    fasc_ranks: dict | None = None
-    dropped_attention_layers: list | None = None
-    head_dim: int | None = None
-
-    def __post_init__(self, **kwargs):
-        self.lisa_setup()
-        if self.head_dim is None:
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        super().__post_init__(**kwargs)
-
-    @property
-    def projection_biases(self) -> dict[str, bool]:
-        return {"q_proj": True, "k_proj": True, "v_proj": True, "o_proj": False}
-
-
-@strict
-class VllmLisaQwen3Config(LisaSpecsMixin, Qwen3Config):
-    model_type = "lisa_qwen3"
-    lisa_layers: dict | None = None
-    fasc_ranks: dict | None = None
-    dropped_attention_layers: list | None = None
-
-    def __post_init__(self, **kwargs):
-        self.lisa_setup()
-        super().__post_init__(**kwargs)
-
-    @property
-    def projection_biases(self) -> dict[str, bool]:
-        return dict.fromkeys(("q_proj", "k_proj", "v_proj", "o_proj"), self.attention_bias)
-
-
-@strict
-class VllmLisaGemma3Config(LisaSpecsMixin, Gemma3TextConfig):
-    model_type = "lisa_gemma3"
-    lisa_layers: dict | None = None
-    fasc_ranks: dict | None = None
-    dropped_attention_layers: list | None = None
-
-    def __post_init__(self, **kwargs):
-        self.lisa_setup()
-        super().__post_init__(**kwargs)
-
-    @property
-    def projection_biases(self) -> dict[str, bool]:
-        return dict.fromkeys(("q_proj", "k_proj", "v_proj", "o_proj"), self.attention_bias)
+def served(remote_module: str, remote_class: str) -> type:
+    """The remote config class with this plugin's checks (a module-level class of this module: vLLM pickles configs)."""
+    base = getattr(import_remote(remote_module), remote_class)
+    cls = strict(type(f"Vllm{remote_class}", (LisaServableMixin, base), {"__module__": __name__}))
+    globals()[cls.__name__] = cls
+    return cls
 
 
 CONFIG_CLASSES = {
     cls.model_type: cls
-    for cls in (VllmLisaLlamaConfig, VllmLisaMistralConfig, VllmLisaQwen2Config, VllmLisaQwen3Config, VllmLisaGemma3Config)
+    for cls in (
+        served(f"configuration_lisa_{family}", f"Lisa{name}Config")
+        for family, name in (("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2"), ("qwen3", "Qwen3"), ("gemma3", "Gemma3"))
+    )
 }

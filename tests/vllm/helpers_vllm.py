@@ -35,8 +35,10 @@ def build_references(root: Path, names: list[str], timeout: int = 1500) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
-def serve(args: list[str], timeout: int = 900) -> subprocess.CompletedProcess:
-    """Run tests/vllm/serve_check.py (or another script of this folder) in a fresh process of this interpreter."""
+def serve(args: list[str], timeout: int = 900, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run tests/vllm/serve_check.py (or another script of this folder) in a fresh process of this interpreter (`env`:
+    variables added to its environment)."""
     return subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, env=child_env(), timeout=timeout, stdin=subprocess.DEVNULL
-    )
+        [sys.executable, *args], capture_output=True, text=True, env=dict(child_env(), **(env or {})), timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )  # fmt: skip

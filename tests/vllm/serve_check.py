@@ -74,8 +74,12 @@ def kv_capacity(engine) -> int | None:
 def layout(llm_engine, model_dir: str) -> dict:
     from hfcompress.vllm_plugin.model import kv_layout
 
-    config = llm_engine.vllm_config.model_config.hf_config
-    return {str(k): v for k, v in kv_layout(config, model_dir).items()} if hasattr(config, "lisa_layers") else {}
+    vllm_config = llm_engine.vllm_config
+    config = vllm_config.model_config.hf_config
+    if not hasattr(config, "lisa_layers"):
+        return {}
+    layout = kv_layout(config, model_dir, dtype=vllm_config.model_config.dtype, block_size=vllm_config.cache_config.block_size)
+    return {str(k): v for k, v in layout.items()}
 
 
 if __name__ == "__main__":

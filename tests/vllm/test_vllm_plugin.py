@@ -4,8 +4,10 @@
   (served twice: 40 sequences), with chunked prefill (a 64-token budget: long prompts prefilled in chunks), prefix
   caching (hits counted) and 16 concurrent sequences; on a tiny checkpoint of each family (shared layers, a chain, FASC
   linears, a dropped attention) and, in the slow tier, on SmolLM2-135M with 8 shared layers.
-- KV cache: SmolLM2 converted (grouped layout) holds at least as many tokens as the original in the same
-  VLLM_CPU_KVCACHE_SPACE, as vLLM computes them.
+- KV cache: a shared layer caches its low-rank keys and V (the "lowrank" layout, reading the root's K from the root's
+  cache); SmolLM2 converted holds more tokens than the original in the same VLLM_CPU_KVCACHE_SPACE, as vLLM computes
+  them. The concatenated-feature layouts (grouped, own; HFCOMPRESS_VLLM_KV=concat, where the root's cache is not
+  readable) stay exact.
 - Refusals: a dense-Align model and an unknown layer kind are refused while vLLM reads config.json, with one sentence
   naming the file and the option, before any KV cache is allocated.
 """
@@ -26,10 +28,10 @@ from helpers_vllm import HERE, build_references, serve  # noqa: E402
 TINY = ["llama", "llama-own", "mistral", "qwen2", "qwen3", "gemma3"]
 
 
-def check(models: Path, name: str) -> dict:
+def check(models: Path, name: str, env: dict[str, str] | None = None) -> dict:
     build_references(models, TINY if name in TINY else [name])
-    out = models / f"{name}.result.json"
-    proc = serve([str(HERE / "serve_check.py"), str(models / name), str(models / f"{name}.json"), str(out)])
+    out = models / f"{name}{''.join('.' + v for v in (env or {}).values())}.result.json"
+    proc = serve([str(HERE / "serve_check.py"), str(models / name), str(models / f"{name}.json"), str(out)], env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 
@@ -44,8 +46,18 @@ def assert_exact(result: dict) -> None:
 def test_tiny_family_is_exact(vllm_models, name):
     result = check(vllm_models, name)
     assert_exact(result)
-    # llama-own's head matching crosses KV groups: a shared layer's own cache; the others one cache per group
-    assert ("own" in json.dumps(result["kv_layout"])) == (name == "llama-own"), result["kv_layout"]
+    # every shared layer (llama-own's head matching crosses KV groups) caches its low-rank keys and V
+    shared = [v for v in result["kv_layout"].values() if v not in ("plain", "dropped")]
+    assert shared and all(v.startswith("lowrank") for v in shared), result["kv_layout"]
+
+
+@pytest.mark.parametrize("name, layout", [("llama", "grouped"), ("llama-own", "own")])
+def test_concatenated_feature_layouts_are_exact(vllm_models, name, layout):
+    """HFCOMPRESS_VLLM_KV=concat (what the plugin serves where the root's cache layout is not readable: GPU backends,
+    AMX): a group's one cache (grouped head matching) or a shared layer's own wider cache."""
+    result = check(vllm_models, name, env={"HFCOMPRESS_VLLM_KV": "concat"})
+    assert_exact(result)
+    assert layout in json.dumps(result["kv_layout"]), result["kv_layout"]
 
 
 @pytest.mark.slow
@@ -53,11 +65,11 @@ def test_smollm2_is_exact_and_caches_no_more_than_the_original(vllm_models):
     result = check(vllm_models, "smollm2")
     assert_exact(result)
     layout = result["kv_layout"]
-    assert layout["23"] == "dropped" and all("grouped" in layout[str(i)] for i in (4, 5, 6, 11, 12, 13))
+    assert layout["23"] == "dropped" and all(layout[str(i)].startswith("lowrank") for i in (5, 6, 12, 13))
     original = serve([str(HERE / "serve_check.py"), "--capacity", str(vllm_models / "smollm2-original")])
     assert original.returncode == 0, original.stderr[-4000:]
     capacity = next(json.loads(l) for l in original.stdout.splitlines() if l.startswith('{"kv_capacity_tokens"'))["kv_capacity_tokens"]
-    assert result["kv_capacity_tokens"] >= capacity
+    assert result["kv_capacity_tokens"] > capacity
 
 
 def refusal(models: Path, edit, tmp_path: Path) -> str:

@@ -1,7 +1,7 @@
 """`hfcompress analyze`: per-layer attention similarity (and optionally FASC rho) without converting.
 
-It runs the conversion's own fetch and calibration passes (pipeline.py) with the same cache, so a later
-`convert` of the same model and text resumes from them.
+It opens the conversion's own run (run.Run.open) and runs its calibration step (passes.calibrate) with the same
+cache, so a later `convert` of the same model and text resumes from them.
 """
 
 import json
@@ -14,16 +14,16 @@ from .config import ConvertOptions
 from .fasc import FascMethod
 from .lisa import LisaMethod
 from .methods import Planner
-from .pipeline import Run, calibrate, fetch
+from .passes import calibrate
 from .plots import similarity_heatmap
 from .progress import console
+from .run import Run
 
 
 def analyze(options: ConvertOptions, plot: Path, json_path: Path | None) -> dict:
-    run = Run(options, argv=None)
     lisa = LisaMethod.from_options(options)
     methods = [lisa] + ([FascMethod.from_options(options)] if options.fasc.budget < 1.0 else [])
-    fetched = fetch(run, methods)
+    run = Run.open(options, methods)
     calibrate(run, methods)
     lisa.plan(Planner(run.stream.config, run.stream.num_layers))
     similarity, chosen = lisa.similarity, lisa.chosen
@@ -32,7 +32,7 @@ def analyze(options: ConvertOptions, plot: Path, json_path: Path | None) -> dict
         for idx in range(run.stream.num_layers):
             rho.update(torch.load(methods[1].store / f"fasc-{idx}.pt")["rhos"])
 
-    table = Table(title=f"{fetched.source.name}: attention similarity to the previous layer (JS, nats)")
+    table = Table(title=f"{run.source.name}: attention similarity to the previous layer (JS, nats)")
     columns = (
         "layer", "JS same head", "JS best match", "aligned output error", "attention energy", "matching (head <- prev head)",
         "shared",
@@ -60,7 +60,7 @@ def analyze(options: ConvertOptions, plot: Path, json_path: Path | None) -> dict
     similarity_heatmap([s.to_dict() for s in similarity], chosen, plot)
     console.print(f"heatmap: {plot}")
     result = {
-        "source": fetched.source.to_dict(),
+        "source": run.source.to_dict(),
         "similarity": [s.to_dict() for s in similarity],
         "selected_at_share_ratio": {"share_ratio": options.lisa.ratio, "layers": chosen},
         "rho": rho,

@@ -4,8 +4,10 @@ chunked lm_head loss, so that neither a whole model nor a (T x vocab) logits ten
 """
 
 import torch
+from accelerate import PartialState
 from torch import nn
 
+from .build import converted_config
 from .checkpoint import Checkpoint
 from .families import family_of
 from .lisa import causal_mask
@@ -20,8 +22,6 @@ class Processes:
     Reductions run over gloo on CPU tensors whatever the compute device, so the same code serves CPUs and GPUs."""
 
     def __init__(self) -> None:
-        from accelerate import PartialState
-
         self.state = PartialState(cpu=True)
         self.count, self.index, self.is_main = self.state.num_processes, self.state.process_index, self.state.is_main_process
 
@@ -74,8 +74,6 @@ class LayerStream:
 
     def layer_config(self, entries: dict):
         """Converted config (methods' entries) for building layers here; SDPA reads the explicit additive mask."""
-        from .build import converted_config
-
         config = converted_config(self.source_config, entries)
         config._attn_implementation = "sdpa"
         return config

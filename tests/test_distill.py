@@ -18,7 +18,7 @@ from hfcompress.distill import (
 from hfcompress.errors import HfcompressError
 from hfcompress.lisa import LisaOptions
 from hfcompress.research import build_converted_model, fit_lisa, measure_similarity
-from hfcompress.pipeline import quality_gate
+from hfcompress.gate import quality_gate
 from hfcompress.text import (
     NEWS_TEXT_NAME,
     builtin_text,

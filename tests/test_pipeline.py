@@ -14,10 +14,13 @@ from safetensors import safe_open
 from tiny_models import save_tiny_llama
 
 import hfcompress.pipeline as pipeline
+from hfcompress.checkpoint import Checkpoint
 from hfcompress.config import ConvertOptions, DistillOptions
 from hfcompress.errors import HfcompressError
 from hfcompress.fasc import FascOptions
 from hfcompress.lisa import LisaOptions
+from hfcompress.stream import LayerStream
+from hfcompress.token_streams import SELECTION_TOKENS
 
 SETTINGS = dict(
     calib_sequences=8, seq_len=64, eval_tokens=512, probe=False, speed=False, peers=False, max_ppl_increase=1000.0,
@@ -72,7 +75,7 @@ def in_memory_reference(tiny: Path, report: dict) -> dict:
     from hfcompress.validate import perplexity
 
     model, tokenizer = load_source(resolve_source(str(tiny)))
-    calib_ids, _, eval_ids, _ = text_streams(tokenizer, "auto", "auto", 8 * 64 + pipeline.SELECTION_TOKENS)
+    calib_ids, _, eval_ids, _ = text_streams(tokenizer, "auto", "auto", 8 * 64 + SELECTION_TOKENS)
     bos = [tokenizer.bos_token_id]  # the tiny tokenizer starts every text with <s>: so does every window
     sequences = torch.cat([torch.tensor(bos).expand(8, 1), chunk(calib_ids, 63, 8)], dim=1)
     inputs = collect_attention_inputs(model, sequences)
@@ -120,7 +123,7 @@ def test_interrupted_run_resumes_at_the_next_layer(tiny, streamed, tmp_path, mon
     reference_out, _, _ = streamed
     options = ConvertOptions(source=str(tiny), out=tmp_path / "out", cache_dir=tmp_path / "cache", max_shard_size="200KB", **SETTINGS)
     built = []
-    real_build = pipeline.LayerStream.build
+    real_build = LayerStream.build
 
     def crash_at_layer_2_of_the_convert_pass(self, config, idx, state):
         if config.lisa_layers or config.fasc_ranks:  # the convert pass builds converted layers
@@ -129,15 +132,15 @@ def test_interrupted_run_resumes_at_the_next_layer(tiny, streamed, tmp_path, mon
                 raise KeyboardInterrupt
         return real_build(self, config, idx, state)
 
-    monkeypatch.setattr(pipeline.LayerStream, "build", crash_at_layer_2_of_the_convert_pass)
+    monkeypatch.setattr(LayerStream, "build", crash_at_layer_2_of_the_convert_pass)
     with pytest.raises(KeyboardInterrupt):
         pipeline.convert(options, argv=[])
     assert not options.out.exists()
 
     loaded = []
-    real_state = pipeline.LayerStream.original_state
-    monkeypatch.setattr(pipeline.LayerStream, "build", real_build)
-    monkeypatch.setattr(pipeline.LayerStream, "original_state", lambda self, idx: loaded.append(idx) or real_state(self, idx))
+    real_state = LayerStream.original_state
+    monkeypatch.setattr(LayerStream, "build", real_build)
+    monkeypatch.setattr(LayerStream, "original_state", lambda self, idx: loaded.append(idx) or real_state(self, idx))
     pipeline.convert(options, argv=[])
 
     assert loaded == [2, 3]  # calibration and statistics come from the cache; conversion restarts at layer 2
@@ -202,7 +205,7 @@ def test_whole_model_steps_skip_by_default_and_refuse_when_asked(tiny, tmp_path,
     assert calibrated == []
     monkeypatch.setattr(pipeline, "calibrate", lambda *a: None)
     report_skipped = wholemodel.WholeModelSteps.decide(
-        ConvertOptions(source=str(tiny), out=tmp_path / "c"), pipeline.Checkpoint(tiny, "tiny"), [], torch.device("cpu")
+        ConvertOptions(source=str(tiny), out=tmp_path / "c"), Checkpoint(tiny, "tiny"), [], torch.device("cpu")
     ).describe()
     assert report_skipped["ran"] == [] and set(report_skipped["skipped"]) == {"probe", "speed", "peers"}
 

@@ -20,7 +20,6 @@ from typer.testing import CliRunner
 from hfcompress.cli import app
 from tests.conftest import HUB_USER
 from tests.hub_server import subprocess_env
-from tests.tiny_models import save_tiny_llama
 
 runner = CliRunner()
 # the calibration settings every conversion here shares, so the cache warmed by one test serves the next
@@ -33,23 +32,9 @@ SECRET = "hf_SeCrEt0123456789abcdefghijklmnopqrs"  # shaped like a real user acc
 
 
 @pytest.fixture(autouse=True)
-def fast_network(monkeypatch):
-    """Short timeouts and backoff; afterwards give huggingface_hub its default client back."""
-    from huggingface_hub import set_client_factory
-    from huggingface_hub.utils._http import default_client_factory
-
-    monkeypatch.setenv("HFCOMPRESS_HTTP_TIMEOUT", "2")
-    monkeypatch.setenv("HFCOMPRESS_RETRY_DELAY", "0.05")
+def _network(fast_network, monkeypatch):
+    """conftest's short Hub timeouts, and four push attempts."""
     monkeypatch.setenv("HFCOMPRESS_PUSH_ATTEMPTS", "4")
-    yield
-    set_client_factory(default_client_factory)
-
-
-@pytest.fixture(scope="module")
-def warm(tmp_path_factory) -> tuple[Path, Path]:
-    """(tiny model dir, calibration cache dir) shared by the conversions of this module."""
-    root = tmp_path_factory.mktemp("warm")
-    return save_tiny_llama(root / "tiny-llama"), root / "cache"
 
 
 def convert(*args: str):
@@ -362,7 +347,7 @@ def test_out_of_memory_during_calibration_leaves_no_unfinished_cache(tiny_llama_
     cache = tmp_path / "cache"
     monkeypatch.setenv("HFCOMPRESS_CACHE", str(cache))
     out = tmp_path / "o"
-    import hfcompress.pipeline as pipeline
+    from hfcompress.stream import LayerStream
 
     with monkeypatch.context() as m:
         fail_at(m, "calibrate: backward", MemoryError())  # the forward pass finished
@@ -372,7 +357,7 @@ def test_out_of_memory_during_calibration_leaves_no_unfinished_cache(tiny_llama_
     assert any(p.name.startswith("hidden-") for p in cache.rglob("*.pt"))
 
     shutil.rmtree(cache)
-    real_run, calls = pipeline.LayerStream.run, []
+    real_run, calls = LayerStream.run, []
 
     def out_of_memory_at_layer_2(self, *args, **kwargs):  # the third layer of the forward pass runs out of memory
         calls.append(1)
@@ -381,7 +366,7 @@ def test_out_of_memory_during_calibration_leaves_no_unfinished_cache(tiny_llama_
         return real_run(self, *args, **kwargs)
 
     with monkeypatch.context() as m:
-        m.setattr(pipeline.LayerStream, "run", out_of_memory_at_layer_2)
+        m.setattr(LayerStream, "run", out_of_memory_at_layer_2)
         result = convert(str(tiny_llama_dir), "--out", str(out), *FAST)
     assert result.exit_code == 1 and "Out of memory" in result.output, result.output
     assert "unfinished calibration cache it began" in " ".join(result.output.split()) and "--seq-len" in result.output
@@ -398,7 +383,7 @@ def test_other_runtime_errors_keep_their_traceback(warm, tmp_path, monkeypatch):
 
 
 def test_disk_full_keeps_earlier_output(warm, tmp_path, monkeypatch):
-    import hfcompress.pipeline as convert_module
+    import hfcompress.output as convert_module
 
     tiny, cache = warm
     monkeypatch.setenv("HFCOMPRESS_CACHE", str(cache))

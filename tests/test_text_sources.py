@@ -24,7 +24,7 @@ import hfcompress.text as text_module
 from hfcompress.cli import app
 from hfcompress.config import ConvertOptions
 from hfcompress.errors import HfcompressError
-from hfcompress.pipeline import Run, fetch
+from hfcompress.run import Run
 from hfcompress.text import (
     BUILTIN_TEXT_NAME,
     WIKI_TEXT_NAME,
@@ -163,12 +163,11 @@ def test_convert_and_eval_use_wikitext2_when_the_hub_answers(wikitext_hub, hub_e
     assert report["validation"]["eval_text"] == test_name
     assert test_name in (out / "README.md").read_text()
 
-    run = Run(ConvertOptions(
+    run = Run.open(ConvertOptions(
         source=str(tiny_llama_dir), out=tmp_path / "unused", calib_text="builtin", eval_text="builtin", calib_sequences=4,
         seq_len=64, cache_dir=tmp_path / "cache",
-    ), argv=None)
-    builtin = fetch(run, [])
-    assert (builtin.streams.calib_name, next(iter(builtin.streams.evaluations))) == (
+    ), [])
+    assert (run.streams.calib_name, next(iter(run.streams.evaluations))) == (
         f"{BUILTIN_TEXT_NAME}, first 75%", f"{BUILTIN_TEXT_NAME}, held-out last 25%"
     )
     assert str(run.calib_dir) != report["calibration"]["cache_dir"]  # same model and settings, other text: other cache
@@ -333,7 +332,7 @@ def test_windows_start_with_bos_where_the_tokenizer_starts_texts_with_it(tiny_ll
     starts with BOS, and every text token is scored exactly once (the first of each window too, predicted from BOS)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from hfcompress.pipeline import windows
+    from hfcompress.token_streams import windows
     from hfcompress.text import window_prefix
     from hfcompress.validate import perplexity
 
@@ -473,7 +472,7 @@ def test_the_gate_always_has_a_domain_no_step_saw(tiny_llama_dir, small_mixture,
     part and the third domain."""
     from transformers import AutoTokenizer
 
-    from hfcompress.pipeline import token_streams
+    from hfcompress.token_streams import token_streams
     from hfcompress.text import NUMPY_DOCS, numpy_docs_name
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)

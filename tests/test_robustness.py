@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 from hfcompress.cli import app
 from tests.conftest import HUB_USER
 from tests.hub_server import subprocess_env
+from tests.tiny_models import save_tiny_llama
 
 runner = CliRunner()
 # the calibration settings every conversion here shares, so the cache warmed by one test serves the next
@@ -32,9 +33,23 @@ SECRET = "hf_SeCrEt0123456789abcdefghijklmnopqrs"  # shaped like a real user acc
 
 
 @pytest.fixture(autouse=True)
-def _network(fast_network, monkeypatch):
-    """conftest's short Hub timeouts, and four push attempts."""
+def fast_network(monkeypatch):
+    """Short timeouts and backoff; afterwards give huggingface_hub its default client back."""
+    from huggingface_hub import set_client_factory
+    from huggingface_hub.utils._http import default_client_factory
+
+    monkeypatch.setenv("HFCOMPRESS_HTTP_TIMEOUT", "2")
+    monkeypatch.setenv("HFCOMPRESS_RETRY_DELAY", "0.05")
     monkeypatch.setenv("HFCOMPRESS_PUSH_ATTEMPTS", "4")
+    yield
+    set_client_factory(default_client_factory)
+
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory) -> tuple[Path, Path]:
+    """(tiny model dir, calibration cache dir) shared by the conversions of this module."""
+    root = tmp_path_factory.mktemp("warm")
+    return save_tiny_llama(root / "tiny-llama"), root / "cache"
 
 
 def convert(*args: str):

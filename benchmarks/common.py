@@ -14,8 +14,8 @@ import torch
 from hfcompress.calibrate import cache_key, collect_attention_inputs, collect_linear_stats, load_or_compute, tensor_fingerprint
 from hfcompress.config import ConvertOptions
 from hfcompress.research import measure_similarity
-from hfcompress.pipeline import token_streams
 from hfcompress.source import load_source, resolve_source, source_identity
+from hfcompress.token_streams import token_streams
 
 
 @dataclass

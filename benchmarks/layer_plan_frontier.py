@@ -128,7 +128,7 @@ def peers(model: str, counts: list[int], wiki_news: bool) -> None:
     from hfcompress.config import ConvertOptions
     from hfcompress.families import family_of
     from hfcompress.peers import block_influence, head_dim, removed
-    from hfcompress.pipeline import token_streams
+    from hfcompress.token_streams import token_streams
     from hfcompress.source import load_tokenizer, resolve_source
     from hfcompress.validate import perplexity
 

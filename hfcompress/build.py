@@ -17,7 +17,7 @@ from torch import nn
 from .errors import WRITE_FAILED_EXIT, HfcompressError
 from .families import family_for, family_of
 from .lisa.weights import is_lisa_parameter
-from .remote import remote_code_files
+from .remote import write_remote_code
 
 
 def converted_config(original_config, entries: dict):
@@ -185,14 +185,14 @@ def _save_tokenizer(tokenizer, directory: Path) -> None:
 
 
 def save_companion_files(tokenizer, generation_config, directory: Path) -> None:
-    """Everything beside the weights and config.json: tokenizer, generation config, remote-code files (only those
-    the model imports); then checks that the config.json already in `directory` carries the auto_map."""
+    """Everything beside the weights and config.json: tokenizer, generation config and, once the config.json already in
+    `directory` is checked to carry the auto_map, the remote-code files (only those the model imports; the kernels only
+    where a layer uses them)."""
     _save_tokenizer(tokenizer, directory)
     if generation_config is not None:
         generation_config.save_pretrained(directory)
     config = json.loads((directory / "config.json").read_text())
     auto_map = family_for(config["model_type"]).auto_map
-    for file in remote_code_files(auto_map):
-        shutil.copy2(file, directory / file.name)
     if config.get("auto_map") != auto_map:
         raise HfcompressError("Internal error: config.json was saved without its auto_map.")
+    write_remote_code(config, directory)

@@ -19,6 +19,27 @@ LISA_CACHE_TYPES = {"full_attention": "lisa_attention", "sliding_attention": "li
 DROPPED_CACHE_TYPES = {"full_attention": "dropped_attention", "sliding_attention": "dropped_sliding_attention"}
 ATTENTION_TYPES = {cache: attention for kinds in (LISA_CACHE_TYPES, DROPPED_CACHE_TYPES) for attention, cache in kinds.items()}
 ALIGN_KINDS = ("dense", "sparse")
+# what a LISA layer spec means where it leaves a key out: `hfcompress convert`'s defaults (sparse Align; a dense Align's
+# FFN 16 wide). The converter writes every key, except `key_heads` where it is one low-rank key per head: a spec
+# without `key_heads` means that (its default per KV group is written out), as it has since key_heads exists
+DEFAULT_ALIGN = "sparse"
+DEFAULT_DENSE_ALIGN_HIDDEN = 16
+
+
+def lisa_spec(spec: dict, num_attention_heads: int) -> dict:
+    """A LISA layer spec (`lisa_layers[layer]`) with every key, the left-out ones at their defaults."""
+    align = spec.get("align", DEFAULT_ALIGN)
+    hidden = spec.get("align_hidden", DEFAULT_DENSE_ALIGN_HIDDEN if align == "dense" else 0)
+    key_heads = spec.get("key_heads", num_attention_heads)
+    return {"rank": int(spec["rank"]), "align": align, "align_hidden": int(hidden), "key_heads": int(key_heads)}
+
+
+def uses_fused_decode(spec: dict, num_attention_heads: int) -> bool:
+    """Whether the fused GPU decode kernel (kernels/lisa_kernels.py) serves a LISA layer of this spec: dense Align with
+    one low-rank key per head. A converted repo ships the kernel only if it serves one of its layers
+    (hfcompress/remote.py)."""
+    spec = lisa_spec(spec, num_attention_heads)
+    return spec["align"] == "dense" and spec["key_heads"] == num_attention_heads
 
 
 class LisaConfigMixin:
@@ -30,10 +51,11 @@ class LisaConfigMixin:
         norms of families that have them): its pre-softmax scores are `Align(S_{l-1}) + (x W_Q^lr)(x W_K^lr)^T /
         sqrt(rank)`, where `S_{l-1}` are the previous layer's scores; that layer (its anchor) must have the same
         attention type (full or sliding window), so both see the same keys. Spec keys: `rank` (per-head rank of the
-        low-rank Q/K, even), `align_hidden` (hidden width of the FFN across heads, 0 = linear head mix only), `align`
-        ("dense", the default: mix across heads + FFN; or "sparse": one scaled source head per head, SDPA-friendly),
-        `key_heads` (low-rank key heads: `num_attention_heads`, the default, one per head; or `num_key_value_heads`,
-        one per GQA group, read by the group's heads, so the layer caches H/KV times fewer low-rank keys).
+        low-rank Q/K, even), `align` ("sparse", the default: one scaled source head per head, SDPA-friendly; or
+        "dense": mix across heads + FFN), `align_hidden` (hidden width of a dense Align's FFN across heads, 0 = linear
+        head mix only; default 16 for dense, 0 for sparse), `key_heads` (low-rank key heads: `num_attention_heads`,
+        the default, one per head; or `num_key_value_heads`, one per GQA group, read by the group's heads, so the
+        layer caches H/KV times fewer low-rank keys). `lisa_spec` reads a spec with these defaults.
     fasc_ranks (`dict[str, int]`, *optional*):
         Module path inside a decoder layer, e.g. `"3.mlp.down_proj"` -> rank k. That linear becomes
         `y = A (B x)` with `B: k x in` (`proj_in`) and `A: out x k` (`proj_out`).
@@ -77,13 +99,13 @@ class LisaConfigMixin:
                 )
             if int(spec["rank"]) < 0 or int(spec["rank"]) % 2:
                 raise ValueError(f"LISA layer {idx}: rank must be an even number >= 0, got {spec['rank']}.")
-            key_heads = int(spec.get("key_heads", self.num_attention_heads))
+            key_heads = lisa_spec(spec, self.num_attention_heads)["key_heads"]
             if key_heads not in (self.num_attention_heads, self.num_key_value_heads):
                 raise ValueError(
                     f"LISA layer {idx}: key_heads must be num_attention_heads ({self.num_attention_heads}) or "
                     f"num_key_value_heads ({self.num_key_value_heads}), got {key_heads}."
                 )
-            if spec.get("align", "dense") not in ALIGN_KINDS:
+            if spec.get("align", DEFAULT_ALIGN) not in ALIGN_KINDS:
                 raise ValueError(f"LISA layer {idx}: align must be 'dense' or 'sparse', got {spec['align']!r}.")
             if idx - 1 in self.dropped_attention_layers:
                 raise ValueError(f"LISA layer {idx} cannot share the attention of layer {idx - 1}: that layer's is dropped.")

@@ -69,9 +69,14 @@ from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-try:  # optional fused GPU kernels; the torch path below is the reference and the CPU path
+from .configuration_lisa import DEFAULT_ALIGN, lisa_spec, uses_fused_decode
+
+# the fused GPU decode kernel (kernels/), for dense-Align layers with one low-rank key per head; the torch path below is
+# the reference and the CPU path. A converted repo ships it only if one of its layers uses it: the copy of this file in
+# any other repo raises ImportError in place of this import (hfcompress/remote.py)
+try:
     from .lisa_kernels import fused_lisa_decode, triton_available
-except ImportError:  # kernels file not shipped, or triton missing
+except ImportError:  # kernels not shipped, or triton missing
     fused_lisa_decode = None
 
     def triton_available(tensor: torch.Tensor) -> bool:
@@ -614,7 +619,7 @@ class LisaSharedAttention(nn.Module):
     """LISA layer: scores from the previous layer's scores (aligned) plus a low-rank Q/K correction."""
 
     def __init__(
-        self, config, layer_idx: int, rank: int, align_hidden: int, align: str = "dense", key_heads: int | None = None
+        self, config, layer_idx: int, rank: int, align_hidden: int, align: str = DEFAULT_ALIGN, key_heads: int | None = None
     ):  # fmt: skip
         super().__init__()
         self.config = config
@@ -635,6 +640,7 @@ class LisaSharedAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias["o_proj"])
         self.sparse = align == "sparse"
         self.align = LisaSparseAlign(self.num_heads) if self.sparse else LisaHeadAlign(self.num_heads, align_hidden)
+        self.fused_decode = uses_fused_decode({"rank": rank, "align": align, "key_heads": self.key_heads}, self.num_heads)
         self.attention_weights = LisaAttentionWeights()
 
     def lowrank_qk(
@@ -757,8 +763,7 @@ class LisaSharedAttention(nn.Module):
         # the fused kernel returns no probabilities; torch.compile traces the torch path (the launcher is not made for
         # dynamo)
         elif (
-            fused_lisa_decode is not None and not self.sparse and not isinstance(prev, tuple) and q_lr.shape[2] == 1
-            and self.key_heads == self.num_heads  # the kernel reads one low-rank key per head
+            fused_lisa_decode is not None and self.fused_decode and not isinstance(prev, tuple) and q_lr.shape[2] == 1
             and not output_attentions and not torch.compiler.is_compiling() and triton_available(q_lr)
         ):  # fmt: skip
             attn_output, passed = fused_lisa_decode(self, prev, q_lr, k_lr, value, additive_mask)
@@ -802,9 +807,9 @@ class LisaDecoderLayer(GradientCheckpointingLayer):
         self.is_lisa = lisa is not None
         self.attention_free = layer_idx in config.dropped_attention_layers
         if self.is_lisa:
+            spec = lisa_spec(lisa, config.num_attention_heads)
             self.self_attn = LisaSharedAttention(
-                config, layer_idx, int(lisa["rank"]), int(lisa.get("align_hidden", 0)), lisa.get("align", "dense"),
-                int(lisa.get("key_heads", config.num_attention_heads)),
+                config, layer_idx, spec["rank"], spec["align_hidden"], spec["align"], spec["key_heads"]
             )
         else:
             self.self_attn = self.attention_class(config, layer_idx)
@@ -866,7 +871,7 @@ def handoff_to_next_layer(config, idx: int) -> str | None:
     if str(idx + 1) not in config.lisa_layers:
         return None
     this = config.lisa_layers.get(str(idx))
-    return "features" if this is None or this.get("align", "dense") == "sparse" else "scores"
+    return "features" if this is None or lisa_spec(this, config.num_attention_heads)["align"] == "sparse" else "scores"
 
 
 class LisaPreTrainedModel(PreTrainedModel):

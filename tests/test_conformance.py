@@ -14,11 +14,11 @@ lisa_attention = import_remote("lisa_attention")
 
 # (lisa_layers, fasc_ranks) of a 4-layer model; what each LISA layer receives from the one below is in the name
 SPECS = {
-    "dense": ({"2": {"rank": 4, "align_hidden": 8}}, {}),  # features from a full layer, block-wise
+    "dense": ({"2": {"rank": 4, "align": "dense", "align_hidden": 8}}, {}),  # features from a full layer, block-wise
     "sparse": ({"2": {"rank": 4, "align": "sparse"}}, {}),  # features from a full layer, one SDPA call
-    "sparse then dense": ({"2": {"rank": 4, "align": "sparse"}, "3": {"rank": 2, "align_hidden": 4}}, {}),
+    "sparse then dense": ({"2": {"rank": 4, "align": "sparse"}, "3": {"rank": 2, "align": "dense", "align_hidden": 4}}, {}),
     "dense chain, rank 0": (  # scores from a dense layer, to a dense and to a sparse one
-        {"1": {"rank": 4, "align_hidden": 4}, "2": {"rank": 0, "align_hidden": 4}, "3": {"rank": 0, "align": "sparse"}},
+        {"1": {"rank": 4, "align": "dense", "align_hidden": 4}, "2": {"rank": 0, "align": "dense", "align_hidden": 4}, "3": {"rank": 0, "align": "sparse"}},
         {},
     ),
     "sparse chain, FASC": (

@@ -47,7 +47,7 @@ from hfcompress.checkpoint import Checkpoint
 from hfcompress.cli import app
 from hfcompress.families import FAMILIES, family_of
 from hfcompress.lisa import causal_mask, full_attention_scores, rotary
-from hfcompress.remote import import_remote, remote_code_files
+from hfcompress.remote import import_remote, kernels_dir, remote_code_files, uses_kernels
 from hfcompress.source import load_source, resolve_source
 from hfcompress.stream import LayerStream
 
@@ -255,10 +255,10 @@ def shared_model(name: str, spec: dict) -> torch.nn.Module:
 
 WINDOW_SPECS = {
     "qwen2 sparse": ("qwen2", {"3": {"rank": 4, "align": "sparse"}}),
-    "qwen2 dense": ("qwen2", {"3": {"rank": 4, "align_hidden": 8}}),
-    "mistral sparse then dense": ("mistral", {"2": {"rank": 4, "align": "sparse"}, "3": {"rank": 2, "align_hidden": 4}}),
+    "qwen2 dense": ("qwen2", {"3": {"rank": 4, "align": "dense", "align_hidden": 8}}),
+    "mistral sparse then dense": ("mistral", {"2": {"rank": 4, "align": "sparse"}, "3": {"rank": 2, "align": "dense", "align_hidden": 4}}),
     # a sliding LISA layer and a full one, each with its type's low-rank RoPE base
-    "gemma3 dense, sparse": ("gemma3", {"1": {"rank": 4, "align_hidden": 8}, "3": {"rank": 4, "align": "sparse"}}),
+    "gemma3 dense, sparse": ("gemma3", {"1": {"rank": 4, "align": "dense", "align_hidden": 8}, "3": {"rank": 4, "align": "sparse"}}),
 }
 
 
@@ -392,7 +392,10 @@ def test_convert_writes_a_repo_that_loads_and_generates(name, convert_and_load):
 
     assert loaded["class"] == family.causal_lm_class and loaded["new_tokens"] == 5
     shipped = sorted(p.name for p in out.glob("*.py"))
-    assert shipped == sorted(p.name for p in remote_code_files(family.auto_map)) == loaded["modules"]
+    # no layer here is dense Align with a key per head, the one the kernels serve: no kernels/ file ships (454 lines
+    # of Triton), and the modeling's copy imports none (transformers wants every relative import in the repo)
+    assert not uses_kernels(config) and not {p.name for p in kernels_dir().glob("*.py")} & set(shipped)
+    assert shipped == sorted(p.name for p in remote_code_files(family.auto_map, kernels=False)) == loaded["modules"]
     assert {f"{family.modeling_module}.py", f"{family.config_module}.py", "lisa_attention.py"} <= set(shipped)
 
     names = tensor_names(out)

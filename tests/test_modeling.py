@@ -62,7 +62,7 @@ def test_fasc_full_rank_matches_llama():
 def test_lisa_generate_with_cache_equals_recompute():
     torch.manual_seed(0)
     reference = LlamaForCausalLM(tiny_config()).eval()
-    model = lisa_copy(reference, lisa_layers={"2": {"rank": 4, "align_hidden": 8}, "3": {"rank": 4, "align_hidden": 0}})
+    model = lisa_copy(reference, lisa_layers={"2": {"rank": 4, "align": "dense", "align_hidden": 8}, "3": {"rank": 4, "align": "dense", "align_hidden": 0}})
     ids = torch.randint(0, 128, (2, 7))
     with torch.no_grad():
         generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
@@ -76,7 +76,7 @@ def test_lisa_generate_with_cache_equals_recompute():
 def test_lisa_layer_caches_only_lowrank_k_and_v():
     torch.manual_seed(0)
     reference = LlamaForCausalLM(tiny_config()).eval()
-    model = lisa_copy(reference, lisa_layers={"2": {"rank": 4, "align_hidden": 0}})
+    model = lisa_copy(reference, lisa_layers={"2": {"rank": 4, "align": "dense", "align_hidden": 0}})
     with torch.no_grad():
         cache = model(torch.randint(0, 128, (1, 5)), use_cache=True).cache
     full, shared = cache.layers[1], cache.layers[2]
@@ -89,7 +89,7 @@ def test_lisa_layer_caches_only_lowrank_k_and_v():
 def test_left_padding_does_not_change_logits():
     torch.manual_seed(0)
     reference = LlamaForCausalLM(tiny_config()).eval()
-    model = lisa_copy(reference, lisa_layers={"1": {"rank": 4, "align_hidden": 4}})
+    model = lisa_copy(reference, lisa_layers={"1": {"rank": 4, "align": "dense", "align_hidden": 4}})
     ids = torch.randint(0, 128, (1, 10))
     padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], dim=1)
     mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 10, dtype=torch.long)], dim=1)
@@ -110,7 +110,7 @@ SPARSE_CHAINS = {
     "sparse after full": {"2": {"rank": 4, "align": "sparse"}},
     "sparse chain": {"1": {"rank": 4, "align": "sparse"}, "2": {"rank": 4, "align": "sparse"}},
     "sparse, dense, sparse": {  # a sparse layer above a dense one receives materialised scores
-        "1": {"rank": 4, "align": "sparse"}, "2": {"rank": 4, "align_hidden": 4}, "3": {"rank": 2, "align": "sparse"},
+        "1": {"rank": 4, "align": "sparse"}, "2": {"rank": 4, "align": "dense", "align_hidden": 4}, "3": {"rank": 2, "align": "sparse"},
     },
     "sparse at rank 0": {"2": {"rank": 0, "align": "sparse"}},
 }
@@ -168,7 +168,7 @@ def test_sampling_with_cache_equals_sampling_without():
     torch.manual_seed(0)
     model = lisa_copy(
         LlamaForCausalLM(tiny_config()).eval(),
-        lisa_layers={"1": {"rank": 4, "align": "sparse"}, "2": {"rank": 4, "align_hidden": 4}},
+        lisa_layers={"1": {"rank": 4, "align": "sparse"}, "2": {"rank": 4, "align": "dense", "align_hidden": 4}},
     )
     ids = torch.randint(0, 128, (2, 5))
     runs = []

@@ -24,7 +24,7 @@ lisa = import_remote("lisa_attention")
 GROUP = 64
 # layer 2: sparse Align, one low-rank key of width 20 per KV group (20 is no multiple of the group); layer 3: dense
 # Align, width 10 per head
-SPEC = {"2": {"rank": 20, "align": "sparse", "key_heads": 2}, "3": {"rank": 10, "align_hidden": 4}}
+SPEC = {"2": {"rank": 20, "align": "sparse", "key_heads": 2}, "3": {"rank": 10, "align": "dense", "align_hidden": 4}}
 LAYERS = {"quanto": (QuantoQuantizedLayer, "LisaQuantoLayer"), "hqq": (HQQQuantizedLayer, "LisaHQQLayer")}
 
 

@@ -1,8 +1,9 @@
 """What a converted repository offers to loaders other than `AutoModelForCausalLM`: the remote-code files it ships,
 `AutoModel` (vLLM's Transformers backend), and `AutoTokenizer` without `trust_remote_code`.
 
-One real `hfcompress convert` of the tiny Llama (two consecutive shared layers with dense Align, FASC) for the
-module; the loads run in ONE fresh process with stdin closed (`_LOADS`), whose JSON result every test reads.
+One real `hfcompress convert` of the tiny Llama (two consecutive shared layers with dense Align and a low-rank key
+per head, which the fused decode kernel serves; FASC) for the module; the loads run in ONE fresh process with stdin
+closed (`_LOADS`), whose JSON result every test reads.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ AUTO_MAP = FAMILIES["llama"].auto_map
 CONVERT = [
     "--max-ppl-increase", "1000", "--no-speed", "--no-probe", "--distill-tokens", "0",
     "--calib-sequences", "4", "--seq-len", "64", "--eval-tokens", "256", "--lisa-steps", "4",
-    "--lisa-layers", "2,3", "--lisa-align", "dense", "--fasc-budget", "0.8", "--ood-text", "none",
+    "--lisa-layers", "2,3", "--lisa-align", "dense", "--lisa-lowrank-keys", "head", "--fasc-budget", "0.8",
+    "--ood-text", "none",
 ]  # fmt: skip
 TEXT = "def f(x):\n    return x ** 2  # squares, 123 and naïve ünïcode"
 
@@ -120,14 +122,14 @@ def loads(converted, tmp_path_factory) -> dict:
 
 def test_ships_exactly_the_files_the_model_imports(converted, loads):
     """Every .py in the repo is imported when transformers loads the model (its own remote-code machinery, in a
-    fresh process), and nothing else is shipped: no prefill/low-rank kernels, no torch references (bench/)."""
+    fresh process), and nothing else is shipped: no prefill/low-rank kernels, no torch references (benchmarks/)."""
     _, out = converted
     shipped = sorted(p.name for p in out.glob("*.py"))
     assert shipped == sorted(p.name for p in remote_code_files(AUTO_MAP))
     assert loads["remote_modules"] == shipped
     assert {"modeling_lisa_llama.py", "configuration_lisa_llama.py", "lisa_kernels.py"} <= set(shipped)
-    bench = {p.name for p in (Path(__file__).resolve().parents[1] / "bench").glob("*.py")}
-    assert not bench & set(shipped)
+    benchmarks = {p.name for p in (Path(__file__).resolve().parents[1] / "benchmarks").glob("*.py")}
+    assert not benchmarks & set(shipped)
 
 
 def test_remote_code_files_follow_the_imports(tmp_path, monkeypatch):
@@ -154,6 +156,35 @@ def test_remote_code_files_follow_the_imports(tmp_path, monkeypatch):
     (kernels / "helper.py").unlink()
     with pytest.raises(FileNotFoundError, match="'helper' found 0 times"):
         remote.remote_code_files(AUTO_MAP)
+
+
+def test_a_model_no_kernel_serves_ships_its_modeling_without_the_kernel_import(tmp_path, monkeypatch):
+    """Without a layer the kernels serve, no kernels/ file ships and the modeling's copy has `raise ImportError` in
+    place of its guarded kernel import (transformers requires every relatively imported module in the repo, imports
+    in try blocks included, so the import itself must go); a kernel import its fallback does not guard is refused."""
+    import hfcompress.remote as remote
+
+    remote.import_remote("configuration_lisa")  # the real one (uses_kernels reads it), imported before the dirs move
+    modeling, kernels, out = tmp_path / "modeling", tmp_path / "kernels", tmp_path / "out"
+    modeling.mkdir(), kernels.mkdir(), out.mkdir()
+    (modeling / "configuration_lisa_llama.py").write_text("X = 1\n")
+    guarded = "from .configuration_lisa_llama import X\ntry:\n    from .lisa_kernels import f\nexcept ImportError:\n    f = None\n"
+    (modeling / "modeling_lisa_llama.py").write_text(guarded)
+    (kernels / "lisa_kernels.py").write_text("f = 1\n")
+    monkeypatch.setattr(remote, "modeling_dir", lambda: modeling)
+    monkeypatch.setattr(remote, "kernels_dir", lambda: kernels)
+    config = {"auto_map": AUTO_MAP, "num_attention_heads": 4, "lisa_layers": {"2": {"rank": 4, "align": "sparse"}}}
+    assert remote.write_remote_code(config, out) == ["configuration_lisa_llama.py", "modeling_lisa_llama.py"]
+    assert sorted(p.name for p in out.iterdir()) == ["configuration_lisa_llama.py", "modeling_lisa_llama.py"]
+    shipped = (out / "modeling_lisa_llama.py").read_text()
+    assert shipped == guarded.replace("from .lisa_kernels import f", 'raise ImportError("no kernel ships with this model: no layer uses one")')
+    namespace: dict = {}
+    exec(shipped.replace("from .configuration_lisa_llama import X", "X = 1"), namespace)
+    assert namespace["f"] is None
+
+    (modeling / "modeling_lisa_llama.py").write_text("from .configuration_lisa_llama import X\nfrom .lisa_kernels import f\n")
+    with pytest.raises(ImportError, match="a kernels/ import must be a one-line `try` body that handles ImportError"):
+        remote.write_remote_code(config, tmp_path)
 
 
 def test_auto_model_loads_the_base_model(converted, loads):

@@ -16,15 +16,15 @@ modeling = import_remote("lisa_attention")
 SPECS = {
     "sparse after full": {"2": {"rank": 4, "align": "sparse"}},
     "sparse chain": {"2": {"rank": 4, "align": "sparse"}, "3": {"rank": 4, "align": "sparse"}},
-    "dense after full": {"2": {"rank": 4, "align_hidden": 8}},
+    "dense after full": {"2": {"rank": 4, "align": "dense", "align_hidden": 8}},
     "dense chain, then sparse": {
-        "2": {"rank": 4, "align_hidden": 8}, "3": {"rank": 2, "align_hidden": 0}, "4": {"rank": 4, "align": "sparse"},
+        "2": {"rank": 4, "align": "dense", "align_hidden": 8}, "3": {"rank": 2, "align": "dense", "align_hidden": 0}, "4": {"rank": 4, "align": "sparse"},
     },
-    "sparse, then dense": {"2": {"rank": 4, "align": "sparse"}, "3": {"rank": 4, "align_hidden": 4}},
+    "sparse, then dense": {"2": {"rank": 4, "align": "sparse"}, "3": {"rank": 4, "align": "dense", "align_hidden": 4}},
     "sparse at rank 0": {"3": {"rank": 0, "align": "sparse"}},
     # one low-rank key per KV group (2 groups of 2 heads): the feature path, a chain, and dense Align
     "sparse chain, grouped keys": {"2": {"rank": 4, "align": "sparse", "key_heads": 2}, "3": {"rank": 6, "align": "sparse", "key_heads": 2}},
-    "dense then sparse, grouped keys": {"2": {"rank": 4, "align_hidden": 8, "key_heads": 2}, "3": {"rank": 4, "align": "sparse", "key_heads": 2}},
+    "dense then sparse, grouped keys": {"2": {"rank": 4, "align": "dense", "align_hidden": 8, "key_heads": 2}, "3": {"rank": 4, "align": "sparse", "key_heads": 2}},
 }  # fmt: skip
 
 

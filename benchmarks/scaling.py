@@ -5,7 +5,7 @@ calibration tokens, on the calibration domain's held-out text and on news text o
     python benchmarks/scaling.py report        # tables, plot and power-law budgets from every finished run
 
 Each run is one `hfcompress convert` command (listed in RUNS, so every figure has its command); its report is copied
-to benchmarks/scaling/NAME.json and its log is benchmarks/scaling/NAME.log. The distillation curve comes from the
+to benchmarks/scaling/NAME.json and its log is benchmarks/scaling/NAME.log (not in git). The distillation curve comes from the
 stage's own learning curve (perplexity on both texts at 0, 16k, 64k, 256k, ... tokens trained, 4,096 tokens each);
 the calibration axis from separate runs with no distillation. `report` also fits power laws through the final figures
 of runs that differ only in calibration and distillation tokens (EXTRAPOLATE) and prints the budget they put at each
@@ -116,6 +116,14 @@ def short(text: str) -> str:
     return text.split(" (")[0]
 
 
+HEADER = """# Scaling study (SmolLM2-135M-Instruct): perplexity against distillation and calibration tokens
+
+`python benchmarks/scaling.py report > benchmarks/results-scaling.md` prints this file from the run reports in
+`benchmarks/scaling/NAME.json` (and draws `benchmarks/scaling/scaling.png`); `python benchmarks/scaling.py run NAME`
+redoes one run, whose command is printed above its table.
+"""
+
+
 def report() -> None:
     import matplotlib
 
@@ -124,6 +132,7 @@ def report() -> None:
 
     results = {p.stem: json.loads(p.read_text()) for p in sorted(HERE.glob("*.json"))}
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    print(HEADER)
     print("## Distillation tokens (learning curve of the distillation stage, 4,096 tokens per text)\n")
     for name, data in results.items():
         distill = data["finishers"].get("distillation")

@@ -20,7 +20,7 @@ All accumulation is fp32; bf16/fp16/fp32 inputs (fp32 dots use input_precision="
 configs only on a real CUDA device; otherwise exactly one config (a multi-config autotune needs a driver). Under
 TRITON_INTERPRET=1 the kernel runs on CPU tensors. There is no torch fallback here: the model calls this only when
 `triton_available(q_lr)`, and uses its own torch path otherwise. The prefill and low-rank-linear kernels, the
-backend-dispatching wrappers and the torch references live in the repository's bench/ folder (not shipped).
+backend-dispatching wrappers and the torch references live in the repository's benchmarks/ folder (not shipped).
 """
 
 from __future__ import annotations
@@ -184,6 +184,18 @@ if HAS_TRITON:
             out += tl.dot(w2.to(src.dtype), act.to(src.dtype), input_precision=DOT_PREC)
         return out
 
+    @triton.jit
+    def _softmax_v_tile(s, m_i, l_i, acc, vt, DOT_PREC: tl.constexpr):
+        """One key tile of the online softmax (FlashAttention-2 style): the rows' running max m_i, sum l_i and output
+        acc updated with their scores s (-inf where masked) against the tile's values vt; returns (m_i, l_i, acc)."""
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2((m_i - m_use) * _LOG2E)
+        p = tl.exp2((s - m_use[:, None]) * _LOG2E)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PREC)
+        return m_new, l_i, acc
+
     @triton.autotune(configs=_DECODE_CONFIGS, key=["H_PAD", "G_PAD", "F_PAD", "D_PAD", "HAS_FFN", "SPLIT"])
     @triton.jit
     def _lisa_decode_kernel(
@@ -247,18 +259,12 @@ if HAS_TRITON:
             if HAS_MASK:
                 s += tl.load(MASK + b * stride_mb + offs_n * stride_mn, mask=nmask, other=0.0).to(tl.float32)[None, :]
             s = tl.where(nmask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2((m_i - m_use) * _LOG2E)
-            p = tl.exp2((s - m_use[:, None]) * _LOG2E)
-            l_i = l_i * alpha + tl.sum(p, 1)
             vt = tl.load(
                 V + b * stride_vb + kvh * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
                 mask=nmask[:, None] & dmask[None, :],
                 other=0.0,
             )
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PREC)
-            m_i = m_new
+            m_i, l_i, acc = _softmax_v_tile(s, m_i, l_i, acc, vt, DOT_PREC)
 
         if SPLIT:
             part = (b * H + rows) * num_splits + sid  # O_PART: (B*H*splits, D_PAD), ML_PART: (B*H*splits, 2)

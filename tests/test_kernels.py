@@ -1,9 +1,9 @@
 """LISA attention / low-rank kernels: Triton vs the torch reference, on this CPU machine.
 
 The decode kernel the model calls ships in kernels/ (lisa_attention_triton.py, behind lisa_kernels.py); the prefill
-and low-rank kernels, the backend-dispatching wrappers and the torch references live in bench/
+and low-rank kernels, the backend-dispatching wrappers and the torch references live in benchmarks/
 (lisa_prefill_triton.py, lisa_attention_reference.py). Both folders load as one private package (flat relative
-imports, as on the Hub): `kt` is bench/lisa_prefill_triton.py, which re-exports the decode kernel's names.
+imports, as on the Hub): `kt` is benchmarks/lisa_prefill_triton.py, which re-exports the decode kernel's names.
 
 * Interpreter tests (`test_interp_*`): Triton's interpreter must be chosen before `triton.language` is
   first imported (its own helpers such as `tl.zeros` are `@triton.jit` functions decorated at import), and
@@ -42,19 +42,19 @@ import pytest
 import torch
 
 KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
-BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
+BENCHMARKS_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
 _COPIES: dict[str, tuple] = {}
 
 
 def _load_copy(pkg_name: str):
-    """Imports kernels/ + bench/ as a private package `pkg_name`.
+    """Imports kernels/ + benchmarks/ as a private package `pkg_name`.
 
-    Returns (bench/lisa_prefill_triton.py, bench/lisa_attention_reference.py). The copies stay out of sys.modules
+    Returns (benchmarks/lisa_prefill_triton.py, benchmarks/lisa_attention_reference.py). The copies stay out of sys.modules
     afterwards.
     """
     if pkg_name not in _COPIES:
         spec = importlib.machinery.ModuleSpec(pkg_name, None, is_package=True)
-        spec.submodule_search_locations = [str(KERNELS_DIR), str(BENCH_DIR)]
+        spec.submodule_search_locations = [str(KERNELS_DIR), str(BENCHMARKS_DIR)]
         sys.modules[pkg_name] = importlib.util.module_from_spec(spec)
         try:
             _COPIES[pkg_name] = (

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fetch, where pip can reach PyPI, the wheels bench/gpu_check.sh needs on an offline GPU machine that has CUDA torch,
+# Fetch, where pip can reach PyPI, the wheels benchmarks/gpu_check.sh needs on an offline GPU machine that has CUDA torch,
 # triton and accelerate but not hfcompress's other dependencies (Python 3.12, x86-64 manylinux), into .whl/.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,10 +1,10 @@
 """LISA prefill and fused low-rank-linear Triton kernels, and the backend-dispatching wrappers of all three ops.
 
 Not shipped with converted models: the LisaLlama model calls only the decode kernel (kernels/lisa_kernels.py ->
-kernels/lisa_attention_triton.py). These are kept for the benchmarks (bench/bench_kernels.py) and the kernel
-tests (tests/test_kernels.py). Load this file as one package spanning kernels/ and bench/ (flat relative
-imports, as on the Hub; see `load_kernels` in bench/bench_kernels.py): it reuses the decode file's helpers and
-Triton building blocks, and the torch references of bench/lisa_attention_reference.py.
+kernels/lisa_attention_triton.py). These are kept for the benchmarks (benchmarks/kernel_speed.py) and the kernel
+tests (tests/test_kernels.py). Load this file as one package spanning kernels/ and benchmarks/ (flat relative
+imports, as on the Hub; see `load_kernels` in benchmarks/kernel_speed.py): it reuses the decode file's helpers and
+Triton building blocks, and the torch references of benchmarks/lisa_attention_reference.py.
 
 Ops (math in `lisa_attention_reference.py`); every public op dispatches to Triton when its tensors are on CUDA
 and Triton is importable, otherwise to the torch reference (`backend="auto"|"triton"|"torch"`):
@@ -25,7 +25,7 @@ and Triton is importable, otherwise to the torch reference (`backend="auto"|"tri
       all-heads program would need H x BLOCK_M x D accumulators); the price is that each one recomputes
       the mixed scores from all source heads: Hkv QK^T-sized dots per tile (8 for Llama-3-8B, 32 for
       Llama-2-7B), i.e. ~(Hkv + 1) / 2 x the FLOPs of plain attention. The materialised path instead
-      pays O(B H Tq Tk) HBM traffic; which one is faster depends on the shape (bench/bench_kernels.py).
+      pays O(B H Tq Tk) HBM traffic; which one is faster depends on the shape (benchmarks/kernel_speed.py).
 * `lowrank_linear` - y = (x @ B_w^T) @ A_w^T + bias for small M (decode, M <= 16): the rank-sized
   intermediate stays in registers; grid over (rank blocks, K splits) with fp32 atomics into y (so the
   result is not bitwise deterministic). Prefill-sized inputs use the two torch GEMMs.
@@ -43,7 +43,7 @@ import math
 import torch
 
 from .lisa_attention_reference import lisa_decode_reference, lisa_prefill_reference, lowrank_linear_reference
-from .lisa_attention_triton import (  # noqa: F401 - decode names re-exported for bench_kernels.py and the tests
+from .lisa_attention_triton import (  # noqa: F401 - decode names re-exported for kernel_speed.py and the tests
     _DTYPES,
     _INTERPRET,
     _TUNE,
@@ -87,7 +87,8 @@ __all__ = [
 # ------------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
-    from .lisa_attention_triton import _LOG2E, _align  # globals of the kernels below (Triton resolves them here)
+    # globals of the kernels below (Triton resolves them here); the online-softmax step is the decode kernel's
+    from .lisa_attention_triton import _align, _softmax_v_tile
 
     # block sizes (autotuned on CUDA)
     _SCORES_CONFIGS_CUDA = [
@@ -281,18 +282,12 @@ if HAS_TRITON:
                 ).to(tl.float32)
             keep = (offs_n[None, :] <= past + offs_m[:, None]) & nmask[None, :]
             s = tl.where(keep, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2((m_i - m_use) * _LOG2E)
-            p = tl.exp2((s - m_use[:, None]) * _LOG2E)
-            l_i = l_i * alpha + tl.sum(p, 1)
             vt = tl.load(
                 V + b * stride_vb + kvh * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
                 mask=nmask[:, None] & dmask[None, :],
                 other=0.0,
             )
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PREC)
-            m_i = m_new
+            m_i, l_i, acc = _softmax_v_tile(s, m_i, l_i, acc, vt, DOT_PREC)
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(

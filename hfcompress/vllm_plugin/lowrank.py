@@ -170,19 +170,57 @@ class LowRankCacheAttention(Attention):
 
 
 def root_keys(cache: torch.Tensor, blocks: torch.Tensor, width: int) -> torch.Tensor:
-    """The keys (KV, len(blocks) * block_size, width) a CPU-backend layer cached in `blocks`: its cache is [blocks, KV,
-    block_size, 2 * head_size], per block and KV head the keys as [head_size, block_size], then the values."""
+    """The keys (R, KV, blocks * block_size, width) a CPU-backend layer cached in `blocks` (R, blocks): its cache is
+    [blocks, KV, block_size, 2 * head_size], per block and KV head the keys as [head_size, block_size], then the values."""
     num_blocks, kv, block, double = cache.shape
     size = double // 2
-    keys = cache.view(num_blocks, kv, 2 * block, size)[:, :, :block][blocks]  # a copy: [n, KV, block, size] in memory
-    keys = keys.view(len(blocks), kv, size, block)[:, :, :width]  # ... which holds [size, block] per block and head
-    return keys.permute(1, 0, 3, 2).reshape(kv, -1, width)
+    requests, count = blocks.shape
+    keys = cache.view(num_blocks, kv, 2 * block, size)[:, :, :block][blocks.reshape(-1)]  # a copy, [n, KV, block, size]
+    keys = keys.view(requests, count, kv, size, block)[:, :, :, :width]  # ... in memory [size, block] per block and head
+    return keys.permute(0, 2, 1, 4, 3).reshape(requests, kv, count * block, width)
 
 
 def own_rows(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """The rows (KV, len(blocks) * block_size, key_width + d) of a LowRankCacheAttention cache in `blocks`."""
-    rows = cache[blocks]  # [n, KV, block, C]
-    return rows.transpose(0, 1).reshape(rows.shape[1], -1, rows.shape[-1])
+    """The rows (R, KV, blocks * block_size, key_width + d) of a LowRankCacheAttention cache in `blocks` (R, blocks)."""
+    _, kv, block, width = cache.shape
+    requests, count = blocks.shape
+    rows = cache[blocks.reshape(-1)].view(requests, count, kv, block, width)
+    return rows.transpose(1, 2).reshape(requests, kv, count * block, width)
+
+
+def attend(layer: "LowRankCacheAttention", sources: list, query: torch.Tensor, requests: list[int], lengths: list[int]) -> torch.Tensor:
+    """Attention of the queries (R, H, Q, width) of `requests` (R of them with one query each, or one with Q) over their
+    `lengths` keys: (R, Q, H, d)."""
+    longest = max(lengths)
+    index = torch.tensor(requests, device=query.device)
+    keys, own = [], None
+    for n_part, (part, (source, source_meta)) in enumerate(zip(layer.parts, sources)):
+        blocks = source_meta.block_table.index_select(0, index)[:, : -(-longest // source.shape[2])]
+        if part.kind == "root":
+            part_keys = root_keys(source, blocks, part.width)[:, :, :longest]
+        else:
+            stored = own_rows(source, blocks)[:, :, :longest]
+            if part.layer_name == layer.layer_name:
+                own = stored
+            requests_, kv = stored.shape[:2]
+            per_cache_head = part.key_heads // kv
+            part_keys = stored[..., : per_cache_head * part.width].reshape(requests_, kv, longest, per_cache_head, part.width)
+            part_keys = part_keys.transpose(2, 3).reshape(requests_, part.key_heads, longest, part.width)
+        keys.append(part_keys.index_select(1, getattr(layer, f"part_heads_{n_part}")))
+    keys = torch.cat(keys, dim=-1)  # (R, H, L, width)
+    scores = torch.matmul(query, keys.transpose(-1, -2)).float()  # (R, H, Q, L)
+    count, heads, queries = query.shape[:3]
+    length = torch.tensor(lengths, device=query.device).view(-1, 1, 1, 1)
+    q_pos = length - queries + torch.arange(queries, device=query.device).view(1, 1, -1, 1)
+    k_pos = torch.arange(longest, device=query.device).view(1, 1, 1, -1)
+    hidden = k_pos > q_pos
+    if layer.window is not None:
+        hidden = hidden | (q_pos - k_pos >= layer.window)
+    probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1).to(query.dtype)
+    kv = own.shape[1]
+    values = own[..., layer.key_width :]  # (R, KV, L, d): query head h reads V of KV head h // (H / KV)
+    out = torch.matmul(probs.reshape(count, kv, heads // kv * queries, longest), values)
+    return out.view(count, heads, queries, -1).transpose(1, 2)
 
 
 def lisa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
@@ -223,38 +261,21 @@ def lisa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     for part in layer.parts:
         source_meta = metadata[part.layer_name] if isinstance(metadata, dict) else metadata
         sources.append((context.no_compile_layers[part.layer_name].kv_cache, source_meta))
+    decodes = []  # one query token each: attended together; a prefill (chunk) alone
     for r, (start, stop) in enumerate(zip(meta.query_start[:-1], meta.query_start[1:])):
-        if stop <= start or start >= n:
-            continue
         stop = min(stop, n)
-        length = meta.seq_lens[r]
-        keys, own = [], None
-        for n_part, (part, (source, source_meta)) in enumerate(zip(layer.parts, sources)):
-            blocks = source_meta.block_table[r, : -(-length // source.shape[2])]
-            head_index = getattr(layer, f"part_heads_{n_part}")
-            if part.kind == "root":
-                part_keys = root_keys(source, blocks, part.width)[:, :length]
-            else:
-                stored = own_rows(source, blocks)[:, :length]
-                if part.layer_name == layer_name:
-                    own = stored
-                kv = stored.shape[0]
-                per_cache_head = part.key_heads // kv
-                part_keys = stored[..., : per_cache_head * part.width].reshape(kv, length, per_cache_head, part.width)
-                part_keys = part_keys.transpose(1, 2).reshape(part.key_heads, length, part.width)
-            keys.append(part_keys.index_select(0, head_index))
-        keys = torch.cat(keys, dim=-1)  # (H, L, width)
-        values = own[..., layer.key_width :].index_select(0, layer.value_heads)  # (H, L, d)
-        q = query[start:stop].transpose(0, 1)  # (H, q, width)
-        scores = torch.matmul(q, keys.transpose(1, 2))  # (H, q, L)
-        q_pos = torch.arange(length - (stop - start), length, device=q.device)[:, None]
-        k_pos = torch.arange(length, device=q.device)[None, :]
-        hidden = k_pos > q_pos
-        if layer.window is not None:
-            hidden = hidden | (q_pos - k_pos >= layer.window)
-        scores = scores.float().masked_fill(hidden, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(values.dtype)
-        output[start:stop] = torch.matmul(probs, values).transpose(0, 1)
+        if stop <= start:
+            continue
+        if stop - start == 1:
+            decodes.append((r, start))
+            continue
+        q = query[start:stop].transpose(0, 1).unsqueeze(0)  # (1, H, Q, width)
+        output[start:stop] = attend(layer, sources, q, [r], [meta.seq_lens[r]])[0]
+    if decodes:
+        rows = torch.tensor([start for _, start in decodes], device=query.device)
+        q = query.index_select(0, rows).unsqueeze(2)  # (R, H, 1, width)
+        out = attend(layer, sources, q, [r for r, _ in decodes], [meta.seq_lens[r] for r, _ in decodes])
+        output.index_copy_(0, rows, out[:, 0])
 
 
 def lisa_attention_fake(query, key, value, output, layer_name) -> None:

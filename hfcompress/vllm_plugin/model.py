@@ -10,9 +10,17 @@ where a full layer's features are its rotated query times its attention scaling 
 shared layers concatenates further: the features of the chain's full layer (its "root"), then one low-rank part per
 shared layer.
 
-KV cache. vLLM's attention backends take K and V of one head size (the CPU backend: from a fixed list), so a shared
-layer's own cache of [root key | low-rank keys] and V would cost more than the original layer. Instead the root and
-its shared layers form a *group* with ONE paged cache, owned by the root's attention and read by the shared layers'
+KV cache, by default ("lowrank" layout, lowrank.py): a shared layer caches what the remote code caches, its low-rank
+keys and its V in their own widths (SmolLM2: 3 x (20 + 64) = 252 values a token against the original layer's 384), in a
+cache vLLM allocates for it like any other, and reads the root's K (and a chain's earlier low-rank keys) where they lie,
+in the root's paged cache; its attention is the plugin's own (torch, over the gathered blocks). Whatever the head
+matching, the served model caches less than the original. This needs the root's cache in a layout the plugin reads:
+vLLM's CPU backend, not its AMX packing (bf16 on CPUs with AMX), not the GPU backends. There (or with
+HFCOMPRESS_VLLM_KV=concat) the layouts below, over concatenated features, serve instead.
+
+Concatenated features. vLLM's attention backends take K and V of one head size (the CPU backend: from a fixed list), so
+a shared layer's own cache of [root key | low-rank keys] and V would cost more than the original layer. Instead the
+root and its shared layers form a *group* with ONE paged cache, owned by the root's attention and read by the shared layers'
 attentions through vLLM's KV sharing (`kv_sharing_target_layer_name`): per KV head and token,
     key   = [K_root | k_lr of shared layer 1 | k_lr of layer 2 | ... | 0 pad]
     value = [V_root | V of shared layer 1    | V of layer 2     | ... | 0 pad]     (both padded to one head size P)

@@ -7,12 +7,13 @@ from pathlib import Path
 
 import typer
 
-from .distill import DEFAULT_TOKENS, DistillOptions
+from .config import TEXT_HELP, ConvertOptions, DeviceOptions, OutputOptions, QuantizeOptions, TextOptions
+from .distill import DistillOptions
 from .errors import WRITE_FAILED_EXIT, HfcompressError, redact
-from .fasc import DEFAULT_TARGETS, METHODS, FascOptions
-from .lisa import DEFAULT_SHARE_RATIO, LisaOptions
-from .config import QUANTIZE_WEIGHTS_HELP, QuantizeOptions
+from .fasc import FascOptions
 from .families import FAMILIES
+from .lisa import DEFAULT_SHARE_RATIO, LisaOptions
+from .options import option_spec
 from .source import BUILTIN_SOURCE
 
 # the supported families, named from the one registry (families/__init__.py)
@@ -28,7 +29,15 @@ app = typer.Typer(
 )
 
 INTERRUPTED_EXIT = 130
-TEXT_HELP = "auto, mix, wiki, builtin, wikitext-2, hf:OWNER/NAME[:CONFIG] or a UTF-8 FILE (README: Calibration and evaluation text)"
+
+
+def option(group: type, name: str, **overrides):
+    """The typer.Option of field `name` of option group `group` (LisaOptions, TextOptions, ...): its default, flags and
+    help as the group declares them (options.option), so they are written once; `overrides` give what the command line
+    shows otherwise (a comma-separated list's default, analyze's reading of --share-ratio)."""
+    spec = option_spec(group, name)
+    settings = {"default": spec.default, "help": spec.help, **spec.cli, **overrides}
+    return typer.Option(settings.pop("default"), *spec.flags, **settings)
 
 
 def _run(action) -> None:
@@ -119,96 +128,61 @@ def convert(
         BUILTIN_SOURCE, help=f"Hub id (user/model), local model directory, .gguf file, or '{BUILTIN_SOURCE}' (built in)."
     ),
     out: Path = typer.Option(None, "--out", "-o", help="Output directory (default: ./NAME-lisa); never the source's."),
-    push_to: str = typer.Option(None, "--push-to", help="Hub repo to create/update with the converted model."),
-    private: bool = typer.Option(False, "--private", help="Create the pushed repo as private."),
-    revision: str = typer.Option(None, "--revision", help="Branch, tag or commit of a Hub source (default: main)."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an earlier hfcompress output at --out."),
-    force: bool = typer.Option(False, "--force", help="Push even when the perplexity gate failed."),
-    trust_remote_code: bool = typer.Option(
-        False, "--trust-remote-code", help="Accept a source that declares custom code (auto_map); its code is never run."
-    ),
-    max_ppl_increase: float = typer.Option(10.0, help="Quality gate: largest allowed perplexity increase, in percent."),
-    share_ratio: float = typer.Option(
-        None, help=f"Fraction of layers to share (LISA), best-aligned first (default {DEFAULT_SHARE_RATIO})."
-    ),
-    lisa_layers: str = typer.Option(None, help="Explicit comma-separated layers to share (instead of --share-ratio)."),
-    lisa_ppl_budget: float = typer.Option(
-        None, help="Share as many layers as keep perplexity within +PCT (a search; instead of --share-ratio)."
-    ),
-    protect_first: int = typer.Option(LisaOptions.protect_first, help="Number of shallow layers never shared."),
-    layer_plan: str = typer.Option(
-        LisaOptions.plan, help="What --share-ratio / --lisa-ppl-budget may do to a layer: share, drop (its attention), mixed (per layer)."
-    ),
-    drop_attention_layers: str = typer.Option(None, help="Comma-separated layers whose attention is dropped outright."),
-    lisa_max_chain: int = typer.Option(
-        LisaOptions.max_chain, help="At most this many consecutive shared layers (default: no cap)."
-    ),
-    qk_compression: float = typer.Option(LisaOptions.qk_compression, help="Shared layers' Q/K parameters are at least this many times smaller."),
-    lisa_align: str = typer.Option(
-        LisaOptions.align, help="Head alignment: dense, sparse (SDPA fast path) or identity."
-    ),
-    align_hidden: int = typer.Option(LisaOptions.align_hidden, help="Width of the dense alignment FFN (0 = linear head mix only)."),
-    lowrank: bool = typer.Option(True, "--lowrank/--no-lowrank", help="Low-rank Q/K correction in shared layers."),
-    lisa_lowrank_keys: str = typer.Option(
-        LisaOptions.lowrank_keys, help="Low-rank keys of a shared layer: one per head, or per KV group."
-    ),
-    lisa_group_heads: bool = typer.Option(
-        LisaOptions.group_heads, help="Sparse Align: the heads of one KV group read one KV head of the layer below, so vLLM caches no more than the original (docs/serving-vllm.md)."
-    ),
-    lisa_steps: int = typer.Option(LisaOptions.steps, help="Adam steps of each shared layer's local fit."),
-    lisa_batch_size: int = typer.Option(LisaOptions.batch_size, help="Calibration sequences per step of a shared layer's local fit."),
-    fasc_budget: float = typer.Option(1.0, help="FASC: fraction of targeted linear parameters kept (1.0 = off)."),
-    fasc_method: str = typer.Option("fisher", help=f"FASC subspace: {', '.join(METHODS)}."),
-    fasc_targets: str = typer.Option(",".join(DEFAULT_TARGETS), help="FASC: linear layers to factorise."),
-    fasc_rho_keep: float = typer.Option(
-        None, help="FASC: linears whose rho (activation-gradient dependence) exceeds this stay dense (default: none)."
-    ),
-    distill_tokens: int = typer.Option(
-        None, help=f"Distillation tokens (KL to the original; default {DEFAULT_TOKENS} when the model fits; 0 = off)."
-    ),
-    distill_seq_len: int = typer.Option(DistillOptions.seq_len, help="Distillation: tokens per training window."),
-    distill_batch_size: int = typer.Option(DistillOptions.batch_size, help="Distillation: windows per step."),
-    distill_lr: float = typer.Option(DistillOptions.lr, help="Distillation: learning rate of LISA's new modules."),
-    distill_weight_lr: float = typer.Option(DistillOptions.weight_lr, help="Distillation: learning rate of FASC factors and LoRA adapters."),
-    distill_lora_rank: int = typer.Option(
-        DistillOptions.lora_rank, help="Distillation: LoRA rank on the unchanged linears, merged (0 = off)."
-    ),
-    distill_curve_tokens: int = typer.Option(
-        DistillOptions.curve_tokens, help="Distillation: evaluation tokens per text at each learning-curve point."
-    ),
-    distill_data: str = typer.Option(
-        DistillOptions.data, help="Distillation windows: calibration (text), generated (by the original) or mixed."
-    ),
-    distill_gradient_checkpointing: bool = typer.Option(
-        False, "--distill-gradient-checkpointing", help="Distillation: recompute activations (less memory, slower)."
-    ),
-    calib_text: str = typer.Option("auto", help=f"Calibration text: {TEXT_HELP}."),
-    eval_text: str = typer.Option("auto", help=f"Perplexity text (held out): {TEXT_HELP}."),
-    ood_text: str = typer.Option(
-        "auto", help="Second gated perplexity text, of another domain: auto, numpy-docs, news, usenet, FILE, ... or none."
-    ),
-    calib_sequences: int = typer.Option(16, help="Number of calibration sequences."),
-    seq_len: int = typer.Option(256, help="Calibration sequence length in tokens."),
-    eval_tokens: int = typer.Option(4096, help="Tokens of held-out text scored for perplexity."),
-    seed: int = typer.Option(0, help="Random seed (fitting and probes)."),
-    probe: bool = typer.Option(None, "--probe/--no-probe", help="Factual-recall probe of both models (default: when they fit)."),
-    speed: bool = typer.Option(None, "--speed/--no-speed", help="Tokens/s of both models side by side (default: when they fit)."),
-    peers: bool = typer.Option(
-        None, "--peers/--no-peers", help="Score attention/layer dropping and a 4-bit KV cache at this KV saving (default: when the model fits)."
-    ),
-    dtype: str = typer.Option("auto", help="Saved weights: auto (the source's), float32, bfloat16, float16."),
-    device: str = typer.Option("auto", help="Where layers are computed: auto, cpu, cuda or cuda:N."),
-    max_shard_size: str = typer.Option("2GB", help="Largest output safetensors shard, e.g. 2GB or 500MB."),
-    quantize_weights: str = typer.Option("none", help=QUANTIZE_WEIGHTS_HELP),
-    licence_file: list[Path] = typer.Option(
-        None, "--licence-file", help="A licence or terms file to ship too (repeatable)."
-    ),
+    push_to: str = option(OutputOptions, "push_to"),
+    private: bool = option(OutputOptions, "private"),
+    revision: str = option(ConvertOptions, "revision"),
+    overwrite: bool = option(OutputOptions, "overwrite"),
+    force: bool = option(OutputOptions, "force"),
+    trust_remote_code: bool = option(ConvertOptions, "trust_remote_code"),
+    max_ppl_increase: float = option(ConvertOptions, "max_ppl_increase"),
+    share_ratio: float = option(LisaOptions, "share_ratio"),
+    lisa_layers: str = option(LisaOptions, "layers"),
+    lisa_ppl_budget: float = option(LisaOptions, "ppl_budget"),
+    protect_first: int = option(LisaOptions, "protect_first"),
+    layer_plan: str = option(LisaOptions, "plan"),
+    drop_attention_layers: str = option(LisaOptions, "drop_layers"),
+    lisa_max_chain: int = option(LisaOptions, "max_chain"),
+    qk_compression: float = option(LisaOptions, "qk_compression"),
+    lisa_align: str = option(LisaOptions, "align"),
+    align_hidden: int = option(LisaOptions, "align_hidden"),
+    lowrank: bool = option(LisaOptions, "lowrank"),
+    lisa_lowrank_keys: str = option(LisaOptions, "lowrank_keys"),
+    lisa_group_heads: bool = option(LisaOptions, "group_heads"),
+    lisa_steps: int = option(LisaOptions, "steps"),
+    lisa_batch_size: int = option(LisaOptions, "batch_size"),
+    fasc_budget: float = option(FascOptions, "budget"),
+    fasc_method: str = option(FascOptions, "method"),
+    fasc_targets: str = option(FascOptions, "targets", default=",".join(FascOptions.targets)),
+    fasc_rho_keep: float = option(FascOptions, "rho_keep_threshold"),
+    distill_tokens: int = option(DistillOptions, "tokens"),
+    distill_seq_len: int = option(DistillOptions, "seq_len"),
+    distill_batch_size: int = option(DistillOptions, "batch_size"),
+    distill_lr: float = option(DistillOptions, "lr"),
+    distill_weight_lr: float = option(DistillOptions, "weight_lr"),
+    distill_lora_rank: int = option(DistillOptions, "lora_rank"),
+    distill_curve_tokens: int = option(DistillOptions, "curve_tokens"),
+    distill_data: str = option(DistillOptions, "data"),
+    distill_gradient_checkpointing: bool = option(DistillOptions, "gradient_checkpointing"),
+    calib_text: str = option(TextOptions, "calib_text"),
+    eval_text: str = option(TextOptions, "eval_text"),
+    ood_text: str = option(TextOptions, "ood_text"),
+    calib_sequences: int = option(TextOptions, "calib_sequences"),
+    seq_len: int = option(TextOptions, "seq_len"),
+    eval_tokens: int = option(TextOptions, "eval_tokens"),
+    seed: int = option(ConvertOptions, "seed"),
+    probe: bool = option(ConvertOptions, "probe"),
+    speed: bool = option(ConvertOptions, "speed"),
+    peers: bool = option(ConvertOptions, "peers"),
+    dtype: str = option(OutputOptions, "dtype"),
+    device: str = option(DeviceOptions, "device"),
+    max_shard_size: str = option(OutputOptions, "max_shard_size"),
+    quantize_weights: str = option(QuantizeOptions, "weights"),
+    licence_file: list[Path] = option(OutputOptions, "licence_files", default=None),
     layer_by_layer: bool = typer.Option(
         False, "--layer-by-layer", hidden=True, help="No effect: every conversion streams layer by layer."
     ),
 ) -> None:
     """Convert SOURCE into a LISA model of its family (LisaLlama, LisaQwen2, ...), validate it, write --out and optionally push it."""
-    from .config import ConvertOptions
 
     def action() -> None:
         name = Path(source).stem if Path(source).suffix == ".gguf" else source.rstrip("/").split("/")[-1]
@@ -293,20 +267,19 @@ def analyze(
     plot: Path = typer.Option(Path("similarity.png"), help="Where to write the heatmap PNG."),
     json_out: Path = typer.Option(None, "--json", help="Also write the measurements as JSON."),
     rho: bool = typer.Option(False, "--rho", help="Also measure FASC rho per linear (needs backward passes)."),
-    share_ratio: float = typer.Option(DEFAULT_SHARE_RATIO, help="Show which layers convert would share at this ratio."),
-    protect_first: int = typer.Option(2, help="Number of shallow layers never shared."),
-    calib_text: str = typer.Option("auto", help=f"Calibration text: {TEXT_HELP}."),
-    calib_sequences: int = typer.Option(16, help="Number of calibration sequences."),
-    seq_len: int = typer.Option(256, help="Calibration sequence length in tokens."),
-    revision: str = typer.Option(None, help="Branch, tag or commit of a Hub source."),
-    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
-    trust_remote_code: bool = typer.Option(
-        False, "--trust-remote-code", help="Accept a source that declares custom code (auto_map); its code is never run."
+    share_ratio: float = option(
+        LisaOptions, "share_ratio", default=DEFAULT_SHARE_RATIO, help="Show which layers convert would share at this ratio."
     ),
+    protect_first: int = option(LisaOptions, "protect_first"),
+    calib_text: str = option(TextOptions, "calib_text"),
+    calib_sequences: int = option(TextOptions, "calib_sequences"),
+    seq_len: int = option(TextOptions, "seq_len"),
+    revision: str = option(ConvertOptions, "revision"),
+    device: str = option(DeviceOptions, "device"),
+    trust_remote_code: bool = option(ConvertOptions, "trust_remote_code"),
 ) -> None:
     """Measure per-layer attention similarity (LISA) and optionally rho (FASC); cached for `convert`."""
     from .analyze import analyze as run_analyze
-    from .config import ConvertOptions
 
     def action() -> None:
         options = ConvertOptions(

@@ -117,6 +117,9 @@ class Finisher(ABC):
     """A step on the whole converted model after the streamed conversion (distillation from the original)."""
 
     name: str
+    # whether the options ask for it explicitly: one asked for that cannot run (the whole model does not fit) is refused,
+    # one that runs by default is skipped with a notice
+    asked: bool = True
 
     @classmethod
     @abstractmethod

@@ -54,6 +54,7 @@ import torch
 
 from .atomic import atomic_file
 from .errors import HfcompressError
+from .paths import default_cache_dir
 from .progress import console
 
 AUTO, BUILTIN, WIKI, WIKITEXT, NEWS, NONE = "auto", "builtin", "wiki", "wikitext-2", "news", "none"
@@ -171,8 +172,6 @@ def offline_text() -> "Text":
 def text_cache_dir() -> Path:
     """Where parsed texts are cached: $HFCOMPRESS_TEXT_CACHE, else texts/ in the hfcompress cache directory. A parsed
     text depends on its source file only, so caches that are otherwise kept apart (the tests') can share it."""
-    from .config import default_cache_dir
-
     return Path(os.environ["HFCOMPRESS_TEXT_CACHE"]) if os.environ.get("HFCOMPRESS_TEXT_CACHE") else default_cache_dir() / "texts"
 
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from hfcompress import distill as distill_module
+from hfcompress.distill import train as distill_module
 from hfcompress.calibrate import collect_attention_inputs
 from hfcompress.distill import (
     Distillation,

@@ -1,4 +1,4 @@
-"""Step 4, fasc: Fisher-aligned low-rank factorisation of linear layers, rho diagnostics, one global rank budget.
+"""FASC's arithmetic: Fisher-aligned low-rank factorisation of linear layers, rho diagnostics, one global rank budget.
 
 For y = W x (W: m x n) with C = E[x x^T] and G = E[g g^T] (g = d loss / d y), the K-FAC surrogate of the loss
 change is E[d loss^2] ~ tr(dW^T G dW C) = ||G^1/2 dW C^1/2||_F^2. With G^1/2 W C^1/2 = U S V^T, the best rank-k
@@ -13,28 +13,15 @@ gradients independent). With random unit probes u, v we measure
 0 when the factorisation is exact; large values mean the Fisher subspace is less trustworthy for that layer.
 """
 
-import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import torch
 
-from .atomic import save_atomic
-from .calibrate import LinearStats
-from .errors import HfcompressError
-from .methods import LayerContext, Method, Planner, register
+from ..calibrate import LinearStats
+from ..errors import HfcompressError
+from .options import METHODS, FascOptions
 
-METHODS = ("fisher", "whiten", "svd", "pca")
-DEFAULT_TARGETS = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "self_attn.o_proj", "self_attn.v_proj")
-TARGETABLE = DEFAULT_TARGETS  # every linear of a decoder layer but q/k, which are LISA's
 DAMPING = 0.01  # fraction of the mean diagonal added to C and G before square roots / inverses
-
-
-@dataclass
-class FascOptions:
-    method: str = "fisher"
-    budget: float = 1.0  # fraction of targeted parameters kept; 1.0 = FASC off
-    targets: tuple[str, ...] = DEFAULT_TARGETS
-    rho_keep_threshold: float | None = None  # layers with rho above this stay dense
 
 
 def dependence_violation(stats: LinearStats) -> float:
@@ -169,114 +156,3 @@ def layer_result(name: str, shape: tuple[int, int], rank: int | None, rho: float
         surrogate_loss=float(dec.spectrum[rank:].sum()) if rank is not None else 0.0,
         spectrum_head=[float(v) for v in dec.spectrum[:8]] if dec is not None else [],
     )
-
-
-FACTOR_MARKERS = (".proj_in.", ".proj_out.")  # names of a FascLinear's two factors (trainable in distillation)
-
-
-def is_fasc_parameter(name: str) -> bool:
-    return any(marker in name for marker in FACTOR_MARKERS)
-
-
-def replace_linear(state: dict[str, torch.Tensor], name: str, a: torch.Tensor, b: torch.Tensor) -> dict[str, torch.Tensor]:
-    """`state` (full names) with linear `name` ("layer.path") replaced by its factors: proj_in = B, proj_out = A."""
-    state, prefix = dict(state), f"model.layers.{name}."
-    state.pop(prefix + "weight")
-    state[prefix + "proj_in.weight"] = b
-    state[prefix + "proj_out.weight"] = a
-    if prefix + "bias" in state:
-        state[prefix + "proj_out.bias"] = state.pop(prefix + "bias")
-    return state
-
-
-# ------------------------------------------------------------------------------------------- the pipeline unit
-@register
-class FascMethod(Method):
-    """FASC as a pipeline unit: C/G statistics in the backward pass, per-layer factorisations saved as they are
-    computed, one global rank budget in plan, the factors swapped in by apply."""
-
-    name = "fasc"
-    order = 20
-    needs_gradients = True
-
-    def __init__(self, options: FascOptions, seed: int = 0) -> None:
-        self.options, self.seed = options, seed
-        self.ranks: dict[str, int | None] = {}
-        self.results: list[FascLayerResult] = []
-
-    @classmethod
-    def from_options(cls, options) -> "FascMethod":
-        return cls(replace(options.fasc), options.seed)
-
-    def active(self) -> bool:
-        return self.options.budget < 1.0
-
-    def settings(self) -> dict:
-        return {**asdict(self.options), "seed": self.seed}
-
-    def calibration_settings(self) -> dict:
-        return {k: v for k, v in self.settings().items() if k != "budget"}  # the ranks are planned from the spectra
-
-    def gradient_linears(self, ctx: LayerContext) -> dict[str, torch.nn.Module]:
-        return {f"{ctx.index}.{t}": ctx.layer.get_submodule(t) for t in self.options.targets}
-
-    def observe_gradients(self, ctx: LayerContext, stats: dict[str, LinearStats]) -> None:
-        """rho of every targeted linear of this layer; for the trusted ones the factorisation, cut at the break-even
-        rank (no allocation can give a layer more: it would stay dense), saved in float32."""
-        if not ctx.is_main:
-            return
-        rhos = {name: dependence_violation(stats[name]) for name in stats}
-        factors, spectra, shapes = {}, {}, {}
-        for name in stats:
-            weight = ctx.layer.get_submodule(name.split(".", 1)[1]).weight
-            shapes[name] = tuple(weight.shape)
-            if name not in trusted_layers(rhos, self.options):
-                continue
-            dec = decompose(weight, stats[name], self.options.method)
-            m, n = weight.shape
-            keep = min(len(dec.spectrum), math.ceil(m * n / (m + n)))
-            factors[name] = (dec.left[:, :keep].float().cpu(), dec.right[:keep].float().cpu())
-            spectra[name] = dec.spectrum.cpu()
-        save_atomic(factors, self.store / f"factors-{ctx.index}.pt")
-        save_atomic({"rhos": rhos, "shapes": shapes, "spectra": spectra}, self.store / f"fasc-{ctx.index}.pt")
-
-    def plan(self, planner: Planner) -> None:
-        """Global ranks from every layer's spectrum (the factors stay on disk) and the per-linear report rows."""
-        rhos, shapes, spectra = {}, {}, {}
-        for idx in range(planner.num_layers):
-            summary = torch.load(self.store / f"fasc-{idx}.pt")
-            rhos.update(summary["rhos"])
-            shapes.update(summary["shapes"])
-            spectra.update(summary["spectra"])
-        dropped = set(planner.notes.get("dropped_attention_layers", []))  # LISA's plan ran first (order)
-        spectra = {name: s for name, s in spectra.items() if not (int(name.split(".")[0]) in dropped and ".self_attn." in name)}
-        empty = torch.empty(0)  # only the spectra drive the allocation
-        decompositions = {name: Decomposition(left=empty, right=empty, spectrum=s) for name, s in spectra.items()}
-        self.ranks = plan_ranks(decompositions, shapes, self.options)
-        self.results = [layer_result(name, shapes[name], self.ranks.get(name), rhos[name], decompositions.get(name)) for name in shapes]
-
-    def _ranked(self, index: int) -> dict[str, int]:
-        return {name: r for name, r in self.ranks.items() if r is not None and name.split(".")[0] == str(index)}
-
-    def touches(self, index: int) -> bool:
-        return bool(self._ranked(index))
-
-    def apply(self, ctx: LayerContext, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        ranked = self._ranked(ctx.index)
-        if not ranked:
-            return state
-        stored = torch.load(self.store / f"factors-{ctx.index}.pt")
-        for name, rank in ranked.items():
-            state = replace_linear(state, name, *Decomposition(*stored[name], torch.empty(0)).factors(rank))
-        return state
-
-    def config_entries(self) -> dict:
-        return {"fasc_ranks": {name: r for name, r in self.ranks.items() if r is not None}}
-
-    def report(self) -> dict:
-        return {
-            "method": self.options.method,
-            "budget": self.options.budget,
-            "targets": list(self.options.targets),
-            "layers": [r.to_dict() for r in self.results],
-        }

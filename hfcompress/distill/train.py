@@ -1,4 +1,4 @@
-"""Distillation: the pipeline's training stage, after the streamed conversion.
+"""Distillation, the training loop: the pipeline's training stage, after the streamed conversion.
 
 Every parameter the conversion created (LISA's Align and low-rank Q/K, FASC's factors), and optionally LoRA adapters
 on the weights it left unchanged, is trained together, end to end: the whole converted model learns the original's
@@ -13,77 +13,26 @@ output; this stage trains each new module for its effect on the output, which is
 """
 
 import math
-import os
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from .atomic import save_atomic
-from .calibrate import cache_key, load_or_compute
-from .errors import HfcompressError
-from .fasc import is_fasc_parameter
-from .lisa import LOWRANK_INPUT_RMS, is_lisa_parameter
-from .methods import Finisher, register
-from .progress import console, progress_bar, training_bar
-from .text import prefixed
-from .validate import perplexity
+from ..atomic import save_atomic
+from ..errors import HfcompressError
+from ..fasc.weights import is_fasc_parameter
+from ..lisa.fit import LOWRANK_INPUT_RMS
+from ..lisa.weights import is_lisa_parameter
+from ..progress import console, training_bar
+from ..validate import perplexity
+from .data import DistillData, training_windows
+from .options import DistillOptions
 
 LORA_TARGETS = ("v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # dense linears every layer keeps
 CHECKPOINT_SECONDS = 120.0  # save the training state this often (and at every curve point)
-CURVE_FIRST_POINT = 16_384  # curve points at 0, 16k, 64k, 256k, ... tokens (x4) and at the budget
 KL_LOG_EVERY = 16_384  # tokens per averaged point of the KL curve
-DEFAULT_TOKENS = 16_384  # when --distill-tokens is not given and the whole model fits (measured: benchmarks/scaling)
-# where the training windows come from: the calibration text, text the original model samples itself, or both
-DISTILL_DATA = ("calibration", "generated", "mixed")
-GREEDY_START_TOKENS = 4  # generated windows: a random first token, then this many greedy ones, then sampling (LLM-QAT)
-GENERATE_BATCH = 16
-
-
-@dataclass
-class DistillOptions:
-    """`--distill-*`: the training stage's budget and optimiser."""
-
-    tokens: int | None = None  # training tokens (0 = off; None = DEFAULT_TOKENS when the whole model fits, else off)
-    seq_len: int = 512  # tokens per training window
-    batch_size: int = 1  # windows per step
-    lr: float = 1e-3  # AdamW for LISA's new modules (small, freshly fitted), cosine decay to 0, 5% warm-up
-    weight_lr: float = 5e-5  # for FASC factors and LoRA adapters: full weight matrices diverge at the modules' rate
-    lora_rank: int = 0  # LoRA (peft) on the frozen dense linears, merged before saving; 0 = only the new parameters
-    curve_tokens: int = 2048  # evaluation tokens per text at each curve point (the final figure uses --eval-tokens)
-    gradient_checkpointing: bool = False  # recompute each layer's activations in backward: less memory, one more forward
-    data: str = "calibration"  # DISTILL_DATA; mixed: calibration windows at even steps, generated ones at odd steps
-
-    @property
-    def budget(self) -> int:
-        """The token budget: `tokens`, or DEFAULT_TOKENS when not given."""
-        return DEFAULT_TOKENS if self.tokens is None else self.tokens
-
-    @property
-    def steps(self) -> int:
-        return math.ceil(self.budget / (self.seq_len * self.batch_size))
-
-    def curve_points(self) -> list[int]:
-        """Token counts at which the curve measures perplexity: 0, 16k, 64k, ... below the budget, and the budget."""
-        points, point = [0], CURVE_FIRST_POINT
-        while point < self.budget:
-            points.append(point)
-            point *= 4
-        return points + [self.steps * self.seq_len * self.batch_size]
-
-
-@dataclass
-class DistillData:
-    """What the stage trains and measures on."""
-
-    train_ids: torch.Tensor  # 1-D calibration-text token ids
-    evaluations: dict[str, torch.Tensor]  # text name -> held-out ids, for the curve
-    eval_context: int
-    work: Path  # the conversion's work directory: the resumable state goes in a subdirectory
-    seed: int
-    prefix: list[int] = field(default_factory=list)  # in front of every window: [BOS] or nothing (text.window_prefix)
 
 
 def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -105,47 +54,6 @@ def curve_perplexities(model: nn.Module, data: DistillData, tokens: int) -> dict
     return result
 
 
-def window_starts(ids: torch.Tensor, seq_len: int, batch_size: int, steps: int, seed: int) -> torch.Tensor:
-    """(steps, batch) random start offsets of training windows in `ids`: every step's batch is fixed by the seed, so
-    a resumed run sees exactly the batches an uninterrupted one would."""
-    if len(ids) <= seq_len:
-        raise HfcompressError(
-            f"The calibration text has {len(ids)} tokens, fewer than one distillation window of {seq_len}: lower "
-            "--distill-seq-len or give a longer --calib-text."
-        )
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(len(ids) - seq_len, (steps, batch_size), generator=generator)
-
-
-@torch.no_grad()
-def generated_windows(teacher: nn.Module, count: int, length: int, prefix: list[int], seed: int) -> torch.Tensor:
-    """(count, length) token ids the original model writes itself, for distillation on text of no particular domain
-    (LLM-QAT's data-free recipe, arXiv 2305.17888, which found this start better than all-greedy or all-sampled): a
-    uniformly random first token, GREEDY_START_TOKENS greedy ones, then sampling from the full distribution at
-    temperature 1, with end-of-text suppressed so every window is full. Seeded: a rerun writes the same windows."""
-    device = next(teacher.parameters()).device
-    first = torch.randint(teacher.config.vocab_size, (count, 1), generator=torch.Generator().manual_seed(seed))
-    head = torch.tensor(prefix, dtype=torch.long).expand(count, -1)
-    greedy = min(GREEDY_START_TOKENS, length - 1)
-    sampled = length - 1 - greedy
-    # every setting explicit: the model's generation_config (an instruct model's low temperature, say) must not apply
-    eos = teacher.config.eos_token_id
-    fixed = dict(pad_token_id=(eos[0] if isinstance(eos, list) else eos) or 0, use_cache=True)
-    rows = []
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seed)
-        for part in progress_bar(list(torch.cat([head, first], dim=1).split(GENERATE_BATCH)), "distill: generate windows"):
-            ids = part.to(device)
-            if greedy:
-                ids = teacher.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=greedy,
-                                       min_new_tokens=greedy, **fixed)
-            if sampled:
-                ids = teacher.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
-                                       top_p=1.0, max_new_tokens=sampled, min_new_tokens=sampled, **fixed)
-            rows.append(ids[:, len(prefix):].cpu())
-    return torch.cat(rows)
-
-
 @torch.no_grad()
 def lowrank_input_scales(student: nn.Module, ids: torch.Tensor) -> dict[str, float]:
     """Per shared layer (its q_lowrank's module name): LOWRANK_INPUT_RMS / RMS of its input on `ids`, the factor the
@@ -163,33 +71,6 @@ def lowrank_input_scales(student: nn.Module, ids: torch.Tensor) -> dict[str, flo
         for hook in hooks:
             hook.remove()
     return {name: LOWRANK_INPUT_RMS / max(value, 1e-6) for name, value in rms.items()}
-
-
-def training_windows(teacher: nn.Module, data: DistillData, options: DistillOptions, state_dir: Path):
-    """step -> its (batch, seq_len) training ids, prefix included: calibration windows at seeded random offsets,
-    windows the original model generated (made once, kept with the resumable state), or the two alternating."""
-    steps, body = options.steps, options.seq_len - len(data.prefix)  # text tokens per window after the prefix
-    generated_steps = {"calibration": 0, "generated": steps, "mixed": steps // 2}[options.data]
-    generated = None
-    if generated_steps:
-        count = generated_steps * options.batch_size
-        generated = load_or_compute(
-            state_dir / f"generated-{count}x{body}.pt", lambda: generated_windows(teacher, count, body, data.prefix, data.seed)
-        )
-    def generated_batch(index: int) -> torch.Tensor:
-        return prefixed(data.prefix, generated[index * options.batch_size : (index + 1) * options.batch_size])
-
-    if options.data == "generated":
-        return generated_batch
-    starts = window_starts(data.train_ids, body, options.batch_size, steps, data.seed)
-    offsets = torch.arange(body)
-
-    def window(step: int) -> torch.Tensor:
-        if options.data == "mixed" and step % 2:
-            return generated_batch(step // 2)
-        return prefixed(data.prefix, data.train_ids[starts[step][:, None] + offsets])
-
-    return window
 
 
 def distill(student: nn.Module, teacher: nn.Module, data: DistillData, options: DistillOptions, state_dir: Path) -> dict:
@@ -309,41 +190,3 @@ def prepare_student(student: nn.Module, options: DistillOptions) -> nn.Module:
         for _, p in trainable_parameters(student):  # peft froze everything but its adapters
             p.requires_grad_(True)
     return student
-
-
-@register
-class Distillation(Finisher):
-    """The training stage, configured by `--distill-*`. Not given, it runs DEFAULT_TOKENS when the conversion changes
-    something and the whole model fits (else it is skipped with a notice); given, it runs or the run is refused."""
-
-    name = "distillation"
-
-    def __init__(self, options: DistillOptions) -> None:
-        self.options = replace(options, tokens=options.budget)
-        self.asked = options.tokens is not None
-
-    @classmethod
-    def from_options(cls, options) -> "Distillation | None":
-        distill = options.distill
-        if distill.tokens == 0:
-            return None
-        if distill.tokens is None:  # the default: only where it has something to train, in one process
-            if not (options.changes_layers or distill.lora_rank) or int(os.environ.get("WORLD_SIZE", "1")) > 1:
-                return None
-        return cls(distill)
-
-    def settings(self) -> dict:
-        """What the trained weights depend on (the resumable state's key): checkpointing changes only memory and time."""
-        return {k: v for k, v in asdict(self.options).items() if k != "gradient_checkpointing"}
-
-    def state_dir(self, work: Path) -> Path:
-        return work / f"distill-{cache_key(self.settings())}"
-
-    def finish(self, student: nn.Module, teacher: nn.Module, data: DistillData) -> tuple[nn.Module, dict]:
-        student = prepare_student(student, self.options)
-        record = distill(student, teacher, data, self.options, self.state_dir(data.work))
-        if self.options.lora_rank:
-            student = student.merge_and_unload()
-        if self.options.gradient_checkpointing:
-            student.activation_checkpointing_disable()
-        return student.eval().requires_grad_(False), record

@@ -198,7 +198,7 @@ class ConvertOptions(TextOptions, OutputOptions, DeviceOptions):
         self.lisa.validate()
         self.fasc.validate()
         self.distill.validate()
-        if self.distill.tokens and not self.changes_layers and not self.distill.lora_rank:
+        if self.distill.tokens and not self.distill.trains_something(self.changes_layers):
             raise HfcompressError(
                 "--distill-tokens trains what the conversion creates, and this one shares no layer and factorises none: "
                 "share layers (--share-ratio, --lisa-layers, --lisa-ppl-budget), set --fasc-budget below 1.0, or add --distill-lora-rank."

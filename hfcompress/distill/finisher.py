@@ -30,7 +30,7 @@ class Distillation(Finisher):
         if distill.tokens == 0:
             return None
         if distill.tokens is None:  # the default: only where it has something to train, in one process
-            if not (options.changes_layers or distill.lora_rank) or launched_processes() > 1:
+            if not distill.trains_something(options.changes_layers) or launched_processes() > 1:
                 return None
         return cls(distill)
 

@@ -68,6 +68,10 @@ class DistillOptions:
         where it can (the whole model fits, something to train, one process)."""
         return self.tokens is not None
 
+    def trains_something(self, changes_layers: bool) -> bool:
+        """Whether the stage has parameters to train: what the conversion creates (`changes_layers`), or LoRA adapters."""
+        return changes_layers or bool(self.lora_rank)
+
     def validate(self) -> "DistillOptions":
         """Every range, enum and combination of the --distill-* options (one HfcompressError naming the first bad one)."""
         if self.tokens is not None:

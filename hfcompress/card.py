@@ -258,16 +258,21 @@ def peers_view(report: dict) -> dict | None:
         return None
     texts = report["validation"]["texts"]
     values = peers["kv_values_per_token"]
+    speed = report.get("speed") or {}
+    timed = speed.get("peers") or {}  # decode speed of the peers the speed run timed (peers.speed_peers)
     rows = [
-        {"name": "original", "kv_ratio": 1.0, "perplexity": [t["original"]["perplexity"] for t in texts]},
+        {"name": "original", "kv_ratio": 1.0, "perplexity": [t["original"]["perplexity"] for t in texts],
+         "decode": 1.0 if timed else None},
         {"name": "**this conversion**", "kv_ratio": values["converted"] / values["original"],
-         "perplexity": [t["converted"]["perplexity"] for t in texts]},
+         "perplexity": [t["converted"]["perplexity"] for t in texts], "decode": speed.get("decode_speedup") if timed else None},
     ]  # fmt: skip
     for peer in peers["peers"]:
         layers = f" (layers {', '.join(map(str, peer['layers']))})" if peer["layers"] else ""
-        rows.append({"name": peer["name"] + layers, "kv_ratio": peer["kv_ratio"], "perplexity": perplexities_on(peer, texts)})
+        decode = timed[peer["name"]]["decode_speedup"] if peer["name"] in timed else None
+        rows.append({"name": peer["name"] + layers, "kv_ratio": peer["kv_ratio"], "perplexity": perplexities_on(peer, texts), "decode": decode})
     return {
         "texts": [t["eval_text"].split(" (")[0] for t in texts],
+        "timed": bool(timed),
         "rows": rows,
         "dominated_by": peers.get("dominated_by") or [],
         "skipped": peers.get("skipped"),

@@ -15,7 +15,9 @@ A peer dominates the conversion when it saves at least as much KV cache and its 
 text; the pipeline says so on the console and in the card instead of presenting a dominated model as a result.
 """
 
+import copy
 import math
+import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +26,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
+from accelerate import init_empty_weights
+
+from .build import assemble, converted_config
+from .families import family_of
 from .layer_plan import kv_values
 from .progress import console, progress_bar
 from .validate import perplexity
@@ -237,6 +243,67 @@ def compute_peers(
         "peers": [p.to_dict() for p in peers],
         "skipped": skipped,
     }
+
+
+class QuantizedKV(nn.Module):
+    """`model` generating with the 4-bit quantized KV cache of the kv-quantized peer (what
+    `generate(cache_implementation="quantized")` builds), for the side-by-side speed run."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model, self.config = model, model.config
+
+    def forward(self, input_ids: torch.Tensor, cache=None, use_cache: bool = False, **kwargs):
+        from transformers import QuantizedCache
+
+        if use_cache and cache is None:
+            cache = QuantizedCache(backend="quanto", config=self.config, nbits=KV_BITS)
+        return self.model(input_ids, cache=cache, use_cache=use_cache, **kwargs)
+
+
+def attention_free(original: nn.Module, layers: list[int]) -> nn.Module:
+    """The attention-drop peer as a user would serve it: the remote code's attention-free layers at `layers` (no Q, K,
+    V, O, no K/V cache), every other tensor the original's own (shared, not copied)."""
+    config = converted_config(original.config, {"dropped_attention_layers": sorted(layers)})
+    _, cls = family_of(config).remote_classes()
+    with init_empty_weights():
+        kept = set(cls(config).state_dict())
+    return assemble(config, {k: v for k, v in original.state_dict().items() if k in kept})
+
+
+def without_layers(original: nn.Module, layers: list[int]) -> nn.Module:
+    """The layer-drop peer as ShortGPT ships it: the original's classes with `layers` deleted and the rest renumbered,
+    every tensor the original's own (shared, not copied)."""
+    config = copy.deepcopy(original.config)
+    keep = [i for i in range(config.num_hidden_layers) if i not in set(layers)]
+    renumber = {old: new for new, old in enumerate(keep)}
+    config.num_hidden_layers = len(keep)
+    if getattr(config, "layer_types", None):
+        config.layer_types = [config.layer_types[i] for i in keep]
+    state = {}
+    for name, tensor in original.state_dict().items():
+        match = re.match(r"model\.layers\.(\d+)\.(.*)", name)
+        if match is None:
+            state[name] = tensor
+        elif int(match[1]) in renumber:
+            state[f"model.layers.{renumber[int(match[1])]}.{match[2]}"] = tensor
+    return assemble(config, state, cls=type(original))
+
+
+def speed_peers(original: nn.Module, section: dict) -> dict[str, nn.Module]:
+    """The peers the speed run times beside the original and the conversion: the dropping peers that save at least the
+    conversion's KV cache (the ones that could dominate it) and the 4-bit KV cache original, each built as served."""
+    values = section["kv_values_per_token"]
+    own_ratio = values["converted"] / values["original"]
+    models = {}
+    for peer in section["peers"]:
+        if peer["kind"] == "attention-drop" and peer["kv_ratio"] <= own_ratio + 1e-9:
+            models[peer["name"]] = attention_free(original, peer["layers"])
+        elif peer["kind"] == "layer-drop" and peer["kv_ratio"] <= own_ratio + 1e-9:
+            models[peer["name"]] = without_layers(original, peer["layers"])
+        elif peer["kind"] == "kv-quantized":
+            models[peer["name"]] = QuantizedKV(original)
+    return models
 
 
 def perplexities_on(peer: dict, texts: list[dict]) -> list[float]:

@@ -121,28 +121,34 @@ def learning_curve(record: dict, path: Path) -> Path:
 
 
 def tradeoff(report: dict, path: Path) -> Path:
-    """Perplexity against KV cache a token (relative to the original), one panel per gated text: the original, this
-    conversion and the training-free peers (peers.py)."""
+    """Perplexity against KV cache a token, and, where the speed run timed the peers, against decode speed (both
+    relative to the original), one panel per gated text: the original, this conversion and the training-free peers
+    (peers.py)."""
     peers, texts = report["peers"], report["validation"]["texts"]
     values = peers["kv_values_per_token"]
+    speed = report.get("speed") or {}
+    timed = speed.get("peers") or {}
+    axes_of = [("KV cache a token (original = 1, left is better)", "kv")]
+    if timed:
+        axes_of.append(("decode tokens/s, batch 1 (original = 1, right is better)", "decode"))
     styles = {"attention-drop": ("o", "tab:orange"), "layer-drop": ("s", "tab:red"), "kv-quantized": ("^", "tab:purple")}
-    fig, axes = plt.subplots(1, len(texts), figsize=(4.6 * len(texts), 3.6), squeeze=False)
-    for i, (ax, text) in enumerate(zip(axes[0], texts)):
-        name = text["eval_text"]
-        ax.scatter([1.0], [text["original"]["perplexity"]], marker="D", color="tab:gray", label="original", zorder=3)
-        ax.scatter([values["converted"] / values["original"]], [text["converted"]["perplexity"]], marker="*", s=160,
-                   color="tab:green", label="this conversion", zorder=4)  # fmt: skip
-        for kind, (marker, color) in styles.items():
-            rows = [p for p in peers["peers"] if p["kind"] == kind]
-            if rows:
-                ppl = [perplexities_on(p, texts)[i] for p in rows]
-                ax.scatter([p["kv_ratio"] for p in rows], ppl, marker=marker, color=color, label=kind, zorder=3)
-        ax.set_xlabel("KV cache a token (original = 1)")
-        ax.set_ylabel("perplexity")
-        ax.set_title(name.split(" (")[0], fontsize=9)
-        ax.grid(alpha=0.3)
+    fig, axes = plt.subplots(len(axes_of), len(texts), figsize=(4.6 * len(texts), 3.6 * len(axes_of)), squeeze=False)
+    for row, (label, measure) in enumerate(axes_of):
+        for i, (ax, text) in enumerate(zip(axes[row], texts)):
+            own = values["converted"] / values["original"] if measure == "kv" else speed["decode_speedup"]
+            ax.scatter([1.0], [text["original"]["perplexity"]], marker="D", color="tab:gray", label="original", zorder=3)
+            ax.scatter([own], [text["converted"]["perplexity"]], marker="*", s=160, color="tab:green", label="this conversion", zorder=4)
+            for kind, (marker, color) in styles.items():
+                rows = [p for p in peers["peers"] if p["kind"] == kind and (measure == "kv" or p["name"] in timed)]
+                if rows:
+                    x = [p["kv_ratio"] if measure == "kv" else timed[p["name"]]["decode_speedup"] for p in rows]
+                    ax.scatter(x, [perplexities_on(p, texts)[i] for p in rows], marker=marker, color=color, label=kind, zorder=3)
+            ax.set_xlabel(label, fontsize=8)
+            ax.set_ylabel("perplexity")
+            ax.set_title(text["eval_text"].split(" (")[0], fontsize=9)
+            ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
-    fig.suptitle("Against training-free peers at this KV saving (lower left is better)", fontsize=9)
+    fig.suptitle("Against training-free peers at this KV saving (lower is better)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -122,12 +122,15 @@ def compare_speed(
 def measure_speed(
     original: nn.Module, converted: nn.Module, ids: torch.Tensor, prompt_tokens: int = 512, new_tokens: int = 32,
     repeats: int = 3, gpu_dtype: torch.dtype = torch.bfloat16, device: torch.device | None = None,
-) -> dict:
+    peers: dict[str, nn.Module] | None = None,
+) -> dict:  # fmt: skip
     """Original vs converted in this process on `device` (default: the best here); the record `convert` keeps and
-    the card shows. On CUDA both run in `gpu_dtype` (the saved dtype); on CPU in float32, the fast CPU path."""
+    the card shows. On CUDA both run in `gpu_dtype` (the saved dtype); on CPU in float32, the fast CPU path. `peers`
+    (name -> model, peers.speed_peers) are timed in the same interleaved loop, each against the same original."""
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = gpu_dtype if device.type == "cuda" else torch.float32
-    models = {"original": original, "converted": converted}
+    peers = peers or {}
+    models = {"original": original, "converted": converted, **peers}
     working_dtypes = {name: next(model.parameters()).dtype for name, model in models.items()}
     prompt = ids[:prompt_tokens].unsqueeze(0).to(device)
     try:
@@ -146,7 +149,16 @@ def measure_speed(
         "converted": conv.to_dict(),
         "prefill_speedup": conv.prefill_tokens_per_s / orig.prefill_tokens_per_s,
         "decode_speedup": conv.decode_tokens_per_s / orig.decode_tokens_per_s,
-    }
+        **({"peers": {
+            name: {
+                "prefill_tokens_per_s": measured[name].prefill_tokens_per_s,
+                "decode_tokens_per_s": measured[name].decode_tokens_per_s,
+                "prefill_speedup": measured[name].prefill_tokens_per_s / orig.prefill_tokens_per_s,
+                "decode_speedup": measured[name].decode_tokens_per_s / orig.decode_tokens_per_s,
+            }
+            for name in peers
+        }} if peers else {}),
+    }  # fmt: skip
 
 
 # (phase, batch, context): decode = tokens/s of cached greedy steps after a `context`-token prompt (and the KV cache

@@ -25,7 +25,7 @@ from .errors import HfcompressError
 from .families import family_of
 from .memory import available_memory
 from .methods import Finisher
-from .peers import compute_peers
+from .peers import compute_peers, speed_peers
 from .probe import run_probe
 from .progress import console
 from .speed import measure_speed
@@ -121,9 +121,10 @@ class WholeModelSteps:
             with run.step("validate: speed"):
                 view = converted_model(config, results.layers_dir, layer_files, share_with=original)
                 eval_ids = next(iter(data.evaluations.values()))
-                results.speed = measure_speed(original, view, eval_ids, gpu_dtype=run.saved_dtype, device=run.device)
+                peers = speed_peers(original, results.peers) if results.peers else None  # timed beside them
+                results.speed = measure_speed(original, view, eval_ids, gpu_dtype=run.saved_dtype, device=run.device, peers=peers)
                 results.speed["note"] = "the converted model shares the original's unchanged float32 tensors"
-                del view
+                del view, peers
         del original
         if self.probe:
             with run.step("validate: factual probe (converted)"):

@@ -18,13 +18,18 @@ from hfcompress.families import family_of
 from hfcompress.layer_plan import Action, kv_values, largest_within, plan_sequence, ranked_actions, take
 from hfcompress.lisa import LayerSimilarity
 from hfcompress.peers import (
+    QuantizedKV,
+    attention_free,
     block_influence,
     dominating,
     fewest_layers_saving,
     kv_values_per_token,
     quantized_cache_perplexity,
     removed,
+    speed_peers,
+    without_layers,
 )
+from hfcompress.speed import measure_speed
 from hfcompress.validate import perplexity
 
 VALUES = {"keep": 384, "share": 252, "drop": 0}
@@ -102,11 +107,9 @@ def test_attention_drop_peer_equals_the_converted_classes_with_the_layer_dropped
     """Two implementations of one model: hooks on transformers' Llama, and the remote code's attention-free layer."""
     torch.manual_seed(0)
     original = LlamaForCausalLM(tiny_config(vocab_size=128)).eval()
-    config = converted_config(original.config, {"dropped_attention_layers": [2]})
-    _, cls = family_of(config).remote_classes()
-    dropped = cls(config).eval()
-    dropped.load_state_dict({k: v for k, v in original.state_dict().items() if k in dropped.state_dict()}, strict=False)
-    dropped.tie_weights()
+    dropped = attention_free(original, [2])  # the peer as served: the remote code, the original's tensors
+    assert "model.layers.2.self_attn.q_proj.weight" not in dropped.state_dict()
+    assert dropped.model.embed_tokens.weight.data_ptr() == original.model.embed_tokens.weight.data_ptr()
     ids = torch.randint(0, 128, (1, 40))
     with torch.no_grad(), removed(original, attention=[2]):
         peer = perplexity(original, ids[0], 16)
@@ -121,9 +124,40 @@ def test_layer_drop_peer_skips_the_layer():
     with torch.no_grad():
         with removed(original, layers=[1, 3]):
             skipped = original(ids, use_cache=False).logits
-        del original.model.layers[3], original.model.layers[1]
-        original.config.num_hidden_layers = 2
-        assert torch.allclose(skipped, original(ids, use_cache=False).logits, atol=1e-5)
+        served = without_layers(original, [1, 3])  # the peer as served: 2 layers, renumbered, the original's tensors
+        assert served.config.num_hidden_layers == 2 and original.config.num_hidden_layers == 4
+        assert torch.allclose(skipped, served(ids, use_cache=False).logits, atol=1e-5)
+        # cached decoding reads the renumbered layers' cache: the same logits as without a cache
+        prefix = served(ids[:, :5], use_cache=True)
+        step = served(ids[:, 5:6], cache=prefix.cache, use_cache=True).logits[:, -1]
+        assert torch.allclose(step, served(ids[:, :6], use_cache=False).logits[:, -1], atol=1e-5)
+
+
+def test_the_speed_run_times_the_peers_that_could_dominate_beside_the_original():
+    torch.manual_seed(0)
+    original = LlamaForCausalLM(tiny_config(vocab_size=128)).eval()
+    values = kv_values_per_token(original.config)
+    section = {
+        "kv_values_per_token": {"original": values, "converted": values * 3 // 4},
+        "peers": [
+            {"name": "drop 1 attention block", "kind": "attention-drop", "kv_ratio": 0.75, "layers": [2]},
+            {"name": "drop 1 layer", "kind": "layer-drop", "kv_ratio": 0.75, "layers": [2]},
+            {"name": "drop 0 layers", "kind": "layer-drop", "kv_ratio": 1.0, "layers": []},  # saves less: not timed
+            {"name": "4-bit KV cache (quanto)", "kind": "kv-quantized", "kv_ratio": 0.2, "layers": []},
+        ],
+    }  # fmt: skip
+    models = speed_peers(original, section)
+    assert list(models) == ["drop 1 attention block", "drop 1 layer", "4-bit KV cache (quanto)"]
+    assert isinstance(models["4-bit KV cache (quanto)"], QuantizedKV)
+    ids = torch.randint(0, 128, (300,))
+    speed = measure_speed(original, original, ids, prompt_tokens=200, new_tokens=4, repeats=1, peers=models)
+    assert set(speed["peers"]) == set(models)
+    for timed in speed["peers"].values():
+        assert timed["decode_tokens_per_s"] > 0 and timed["decode_speedup"] > 0
+    with torch.no_grad():  # the wrapped original decodes through the 4-bit cache: its keys come back quantized
+        prompt = ids[:200].unsqueeze(0)
+        cache = models["4-bit KV cache (quanto)"](prompt, use_cache=True).cache
+        assert type(cache).__name__ == "QuantizedCache"
 
 
 def test_block_influence_is_zero_for_a_block_that_adds_nothing():
@@ -177,7 +211,7 @@ def test_convert_drops_shares_and_reports_its_peers(tiny_llama_dir, tmp_path, mo
     out = tmp_path / "out"
     result = runner.invoke(app, [
         "convert", str(tiny_llama_dir), "--out", str(out), "--distill-tokens", "0", "--calib-sequences", "4",
-        "--seq-len", "64", "--eval-tokens", "256", "--lisa-steps", "5", "--no-speed", "--no-probe",
+        "--seq-len", "64", "--eval-tokens", "256", "--lisa-steps", "5", "--no-probe",
         "--max-ppl-increase", "1000", "--calib-text", "builtin", "--ood-text", "news",
         "--drop-attention-layers", "1", "--lisa-layers", "3",
     ])  # fmt: skip
@@ -191,8 +225,13 @@ def test_convert_drops_shares_and_reports_its_peers(tiny_llama_dir, tmp_path, mo
     assert {"attention-drop", "layer-drop"} <= kinds
     for peer in peers["peers"]:
         assert set(peer["perplexity"]) == {t["eval_text"] for t in report["validation"]["texts"]}
+    # the speed run timed the dropping peers that save at least as much KV cache, beside the original
+    timed = report["speed"]["peers"]
+    could_dominate = [p["name"] for p in peers["peers"] if p["kind"] != "kv-quantized"
+                      and p["kv_ratio"] <= peers["kv_values_per_token"]["converted"] / peers["kv_values_per_token"]["original"] + 1e-9]
+    assert could_dominate and set(could_dominate) <= set(timed)
     card = (out / "README.md").read_text()
-    assert "Against what you could do instead" in card and "Dropped attention" in card
+    assert "Against what you could do instead" in card and "Dropped attention" in card and "decode, batch 1" in card
     assert (out / "plots" / "tradeoff.png").is_file()
 
 

@@ -170,14 +170,15 @@ class LowRankCacheAttention(Attention):
 
 
 def root_keys(cache: torch.Tensor, blocks: torch.Tensor, width: int) -> torch.Tensor:
-    """The keys (R, KV, blocks * block_size, width) a CPU-backend layer cached in `blocks` (R, blocks): its cache is
-    [blocks, KV, block_size, 2 * head_size], per block and KV head the keys as [head_size, block_size], then the values."""
+    """The keys, transposed, (R, KV, width, blocks * block_size) a CPU-backend layer cached in `blocks` (R, blocks): its
+    cache is [blocks, KV, block_size, 2 * head_size], per block and KV head the keys as [head_size, block_size] (so
+    already transposed), then the values."""
     num_blocks, kv, block, double = cache.shape
     size = double // 2
     requests, count = blocks.shape
     keys = cache.view(num_blocks, kv, 2 * block, size)[:, :, :block][blocks.reshape(-1)]  # a copy, [n, KV, block, size]
     keys = keys.view(requests, count, kv, size, block)[:, :, :, :width]  # ... in memory [size, block] per block and head
-    return keys.permute(0, 2, 1, 4, 3).reshape(requests, kv, count * block, width)
+    return keys.permute(0, 2, 3, 1, 4).reshape(requests, kv, width, count * block)
 
 
 def own_rows(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -188,39 +189,59 @@ def own_rows(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return rows.transpose(1, 2).reshape(requests, kv, count * block, width)
 
 
+ROWS = 128  # a prefill's query rows scored at once (bounds the score tensor: H x ROWS x keys)
+
+
 def attend(layer: "LowRankCacheAttention", sources: list, query: torch.Tensor, requests: list[int], lengths: list[int]) -> torch.Tensor:
     """Attention of the queries (R, H, Q, width) of `requests` (R of them with one query each, or one with Q) over their
-    `lengths` keys: (R, Q, H, d)."""
+    `lengths` keys: (R, Q, H, d). Per part of the key: its heads' keys transposed (R, P, width, L) and the query head ->
+    part head map; the scores are the sum over parts."""
     longest = max(lengths)
     index = torch.tensor(requests, device=query.device)
-    keys, own = [], None
+    parts, own, offset = [], None, 0
     for n_part, (part, (source, source_meta)) in enumerate(zip(layer.parts, sources)):
         blocks = source_meta.block_table.index_select(0, index)[:, : -(-longest // source.shape[2])]
         if part.kind == "root":
-            part_keys = root_keys(source, blocks, part.width)[:, :, :longest]
+            keys_t = root_keys(source, blocks, part.width)[..., :longest]
         else:
             stored = own_rows(source, blocks)[:, :, :longest]
             if part.layer_name == layer.layer_name:
                 own = stored
-            requests_, kv = stored.shape[:2]
+            count, kv = stored.shape[:2]
             per_cache_head = part.key_heads // kv
-            part_keys = stored[..., : per_cache_head * part.width].reshape(requests_, kv, longest, per_cache_head, part.width)
-            part_keys = part_keys.transpose(2, 3).reshape(requests_, part.key_heads, longest, part.width)
-        keys.append(part_keys.index_select(1, getattr(layer, f"part_heads_{n_part}")))
-    keys = torch.cat(keys, dim=-1)  # (R, H, L, width)
-    scores = torch.matmul(query, keys.transpose(-1, -2)).float()  # (R, H, Q, L)
+            keys = stored[..., : per_cache_head * part.width].reshape(count, kv, longest, per_cache_head, part.width)
+            keys_t = keys.permute(0, 1, 3, 4, 2).reshape(count, part.key_heads, part.width, longest)
+        parts.append((keys_t, getattr(layer, f"part_heads_{n_part}"), offset))
+        offset += part.width
     count, heads, queries = query.shape[:3]
-    length = torch.tensor(lengths, device=query.device).view(-1, 1, 1, 1)
-    q_pos = length - queries + torch.arange(queries, device=query.device).view(1, 1, -1, 1)
-    k_pos = torch.arange(longest, device=query.device).view(1, 1, 1, -1)
-    hidden = k_pos > q_pos
-    if layer.window is not None:
-        hidden = hidden | (q_pos - k_pos >= layer.window)
-    probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1).to(query.dtype)
     kv = own.shape[1]
     values = own[..., layer.key_width :]  # (R, KV, L, d): query head h reads V of KV head h // (H / KV)
-    out = torch.matmul(probs.reshape(count, kv, heads // kv * queries, longest), values)
-    return out.view(count, heads, queries, -1).transpose(1, 2)
+    lengths_t = torch.tensor(lengths, device=query.device).view(-1, 1, 1, 1)
+    k_pos = torch.arange(longest, device=query.device).view(1, 1, 1, -1)
+    every_head = torch.arange(heads, device=query.device)
+    out = []
+    for first in range(0, queries, ROWS):
+        rows = min(ROWS, queries - first)
+        q = query[:, :, first : first + rows]
+        scores = None
+        for keys_t, head_index, start in parts:
+            q_part = q[..., start : start + keys_t.shape[2]]
+            if keys_t.shape[1] < heads and rows == 1:  # decoding: every query head against the part's few heads, then
+                # each takes its own (reads the keys once, instead of copying them to every query head)
+                cross = torch.matmul(q_part.reshape(count, 1, heads, -1), keys_t)  # (R, P, H, L)
+                part_scores = cross[:, head_index, every_head].unsqueeze(2)  # (R, H, 1, L)
+            else:
+                part_scores = torch.matmul(q_part, keys_t.index_select(1, head_index))  # (R, H, rows, L)
+            scores = part_scores if scores is None else scores + part_scores
+        q_pos = lengths_t - queries + first + torch.arange(rows, device=query.device).view(1, 1, -1, 1)
+        hidden = k_pos > q_pos
+        if layer.window is not None:
+            hidden = hidden | (q_pos - k_pos >= layer.window)
+        probs = torch.softmax(scores.float().masked_fill(hidden, float("-inf")), dim=-1).to(query.dtype)
+        block = torch.matmul(probs.reshape(count, kv, heads // kv * rows, longest), values)
+        out.append(block.view(count, heads, rows, -1))
+    out = out[0] if len(out) == 1 else torch.cat(out, dim=2)
+    return out.transpose(1, 2)
 
 
 def lisa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:

@@ -28,7 +28,6 @@ import torch
 
 from .build import refuse_existing_output
 from .config import ConvertOptions
-from .distill import DistillData
 from .errors import GATE_FAILED_EXIT, HfcompressError
 from .gate import refuse_non_finite
 from .memory import return_freed_memory
@@ -101,12 +100,7 @@ def finish(run: Run, whole: WholeModelSteps, converted: Converted) -> tuple[Conv
     own layer files, and the result is scored again: its perplexities and reload logits replace the streamed ones."""
     if not run.processes.is_main:
         return converted, WholeModelResults(layers_dir=converted.work)
-    streams, options = run.streams, run.options
-    data = DistillData(streams.calib_ids, streams.evaluations, options.eval_context, converted.work, options.seed, streams.prefix)
-    results = whole.run(
-        run, run.checkpoint, run.source_config, converted.config, converted.work, converted.layer_files, run.tokenizer,
-        data, streams.reload_prompt,
-    )  # fmt: skip
+    results = whole.run(run, converted.config, converted.work, converted.layer_files)
     converted = replace(converted, layers_dir=results.layers_dir)
     if results.converted_perplexity:
         perplexities = {text: (converted.perplexities[text][0], ppl) for text, ppl in results.converted_perplexity.items()}

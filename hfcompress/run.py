@@ -16,7 +16,7 @@ import torch
 
 from .calibrate import cache_key, code_fingerprint, tensor_fingerprint
 from .checkpoint import Checkpoint, check_checkpoint, open_checkpoint
-from .config import ConvertOptions, resolve_device
+from .config import OUTPUT_DTYPES, ConvertOptions, resolve_device
 from .errors import HfcompressError
 from .memory import peak_memory
 from .methods import LayerContext, Method
@@ -25,8 +25,6 @@ from .progress import console
 from .source import ResolvedSource, load_tokenizer, resolve_source, source_identity
 from .stream import LayerStream, Processes
 from .token_streams import TokenStreams, token_streams
-
-OUTPUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def output_dtype(requested: str, source: ResolvedSource, source_config) -> torch.dtype:

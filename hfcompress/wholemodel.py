@@ -66,7 +66,7 @@ class WholeModelSteps:
         where = f"{device.type} memory ({available / 2**30:.1f} GiB free, the float32 model is {model_bytes / 2**30:.1f} GiB)"
         skipped, chosen = {}, {}
         if finishers and not fits("distill"):
-            if any(getattr(f, "asked", True) for f in finishers):
+            if any(f.asked for f in finishers):
                 raise HfcompressError(
                     f"{', '.join(f.name for f in finishers)} train the whole model, which does not fit in {where}: pass "
                     "--distill-tokens 0, or run on a device with more memory."
@@ -95,11 +95,15 @@ class WholeModelSteps:
         ran = [name for name, on in steps if on] + [f.name for f in self.finishers]
         return {"ran": ran, "skipped": self.skipped, "model_float32_mb": round(self.model_bytes / 2**20, 1)}
 
-    def run(self, run, checkpoint: Checkpoint, source_config, config, work: Path, layer_files: list[str], tokenizer,
-            data: DistillData, probe_ids: torch.Tensor) -> WholeModelResults:
+    def run(self, run, config, work: Path, layer_files: list[str]) -> WholeModelResults:
+        """The chosen steps on the converted layer files in `work` (`config`: the converted model's). `run` is the
+        conversion's run.Run: its source, tokens, device and step log."""
         results = WholeModelResults(layers_dir=work)
         if not (self.probe or self.speed or self.peers or self.finishers):
             return results
+        checkpoint, source_config, tokenizer, streams = run.checkpoint, run.source_config, run.tokenizer, run.streams
+        data = DistillData(streams.calib_ids, streams.evaluations, run.options.eval_context, work, run.options.seed, streams.prefix)
+        probe_ids = streams.reload_prompt
         _, causal_lm = family_of(source_config).transformers_classes()  # the teacher, in transformers' own classes
         with run.step("whole model: load the original"):
             original = assemble(source_config, checkpoint.load(list(checkpoint.files)), cls=causal_lm)

@@ -144,6 +144,18 @@ class KeyPart:
     key_heads: int = 0  # lowrank: the layer's low-rank key heads
 
 
+def head_groups(heads: list[int], count: int) -> tuple[list[int], list[int]]:
+    """The query heads grouped by the part head they read (`heads[h]` of `count`), each group padded to the largest
+    (its first head repeated): a part's scores are one matmul of (count, most) queries against its `count` heads (no
+    key copied per query head), then each query head picks its row. (slots: the query head at each of count * most
+    rows; pick: per query head, its row.)"""
+    readers = [[h for h in range(len(heads)) if heads[h] == p] for p in range(count)]
+    most = max(len(r) for r in readers)
+    slots = [r[i] if i < len(r) else (r or [0])[0] for r in readers for i in range(most)]
+    pick = [heads[h] * most + readers[heads[h]].index(h) for h in range(len(heads))]
+    return slots, pick
+
+
 class LowRankCacheAttention(Attention):
     """A shared layer's vLLM attention: its cache holds its low-rank keys and V ([blocks, KV, block, key_width + d])."""
 
@@ -156,9 +168,10 @@ class LowRankCacheAttention(Attention):
         self.parts = parts
         self.key_width, self.head_dim = key_width, head_dim
         self.window = sliding_window
-        self.register_buffer("value_heads", torch.arange(num_heads) // (num_heads // num_kv_heads), persistent=False)
         for n, part in enumerate(parts):
-            self.register_buffer(f"part_heads_{n}", torch.tensor(part.heads), persistent=False)
+            slots, pick = head_groups(part.heads, part.key_heads if part.kind == "lowrank" else num_kv_heads)
+            self.register_buffer(f"part_slots_{n}", torch.tensor(slots), persistent=False)
+            self.register_buffer(f"part_pick_{n}", torch.tensor(pick), persistent=False)
         self.checked = False
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -169,24 +182,21 @@ class LowRankCacheAttention(Attention):
         return output
 
 
-def root_keys(cache: torch.Tensor, blocks: torch.Tensor, width: int) -> torch.Tensor:
-    """The keys, transposed, (R, KV, width, blocks * block_size) a CPU-backend layer cached in `blocks` (R, blocks): its
-    cache is [blocks, KV, block_size, 2 * head_size], per block and KV head the keys as [head_size, block_size] (so
-    already transposed), then the values."""
+def root_key_blocks(cache: torch.Tensor, blocks: torch.Tensor, width: int) -> torch.Tensor:
+    """The keys, transposed per block, (R, blocks, KV, width, block_size) a CPU-backend layer cached in `blocks` (R,
+    blocks): its cache is [blocks, KV, block_size, 2 * head_size], per block and KV head the keys as [head_size,
+    block_size] (so already transposed), then the values. One copy (whole blocks, index_select: a memcpy), then views."""
     num_blocks, kv, block, double = cache.shape
-    size = double // 2
     requests, count = blocks.shape
-    keys = cache.view(num_blocks, kv, 2 * block, size)[:, :, :block][blocks.reshape(-1)]  # a copy, [n, KV, block, size]
-    keys = keys.view(requests, count, kv, size, block)[:, :, :, :width]  # ... in memory [size, block] per block and head
-    return keys.permute(0, 2, 3, 1, 4).reshape(requests, kv, width, count * block)
+    keys = cache.view(num_blocks, kv, 2, double // 2 * block)[:, :, 0]  # the key halves (a view)
+    return keys.index_select(0, blocks.reshape(-1)).view(requests, count, kv, double // 2, block)[:, :, :, :width]
 
 
-def own_rows(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """The rows (R, KV, blocks * block_size, key_width + d) of a LowRankCacheAttention cache in `blocks` (R, blocks)."""
+def own_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """The rows (R, blocks, KV, block_size, key_width + d) of a LowRankCacheAttention cache in `blocks` (R, blocks)."""
     _, kv, block, width = cache.shape
     requests, count = blocks.shape
-    rows = cache[blocks.reshape(-1)].view(requests, count, kv, block, width)
-    return rows.transpose(1, 2).reshape(requests, kv, count * block, width)
+    return cache.index_select(0, blocks.reshape(-1)).view(requests, count, kv, block, width)
 
 
 ROWS = 128  # a prefill's query rows scored at once (bounds the score tensor: H x ROWS x keys)
@@ -194,52 +204,59 @@ ROWS = 128  # a prefill's query rows scored at once (bounds the score tensor: H 
 
 def attend(layer: "LowRankCacheAttention", sources: list, query: torch.Tensor, requests: list[int], lengths: list[int]) -> torch.Tensor:
     """Attention of the queries (R, H, Q, width) of `requests` (R of them with one query each, or one with Q) over their
-    `lengths` keys: (R, Q, H, d). Per part of the key: its heads' keys transposed (R, P, width, L) and the query head ->
-    part head map; the scores are the sum over parts."""
+    `lengths` keys: (R, Q, H, d). Per part of the key, its heads' keys per block (R, blocks, P, width, block), and the
+    query head -> part head map; the scores are the sum over parts."""
     longest = max(lengths)
     index = torch.tensor(requests, device=query.device)
     parts, own, offset = [], None, 0
     for n_part, (part, (source, source_meta)) in enumerate(zip(layer.parts, sources)):
         blocks = source_meta.block_table.index_select(0, index)[:, : -(-longest // source.shape[2])]
         if part.kind == "root":
-            keys_t = root_keys(source, blocks, part.width)[..., :longest]
+            keys = root_key_blocks(source, blocks, part.width)
         else:
-            stored = own_rows(source, blocks)[:, :, :longest]
+            stored = own_blocks(source, blocks)
             if part.layer_name == layer.layer_name:
                 own = stored
-            count, kv = stored.shape[:2]
+            count, nb, kv, block = stored.shape[:4]
             per_cache_head = part.key_heads // kv
-            keys = stored[..., : per_cache_head * part.width].reshape(count, kv, longest, per_cache_head, part.width)
-            keys_t = keys.permute(0, 1, 3, 4, 2).reshape(count, part.key_heads, part.width, longest)
-        parts.append((keys_t, getattr(layer, f"part_heads_{n_part}"), offset))
+            keys = stored[..., : per_cache_head * part.width]
+            if per_cache_head > 1:  # one low-rank key per query head: (R, blocks, key heads, block, r)
+                keys = keys.reshape(count, nb, kv, block, per_cache_head, part.width).transpose(3, 4)
+                keys = keys.reshape(count, nb, part.key_heads, block, part.width)
+            keys = keys.transpose(-1, -2)
+        parts.append((keys, getattr(layer, f"part_slots_{n_part}"), getattr(layer, f"part_pick_{n_part}"), offset))
         offset += part.width
     count, heads, queries = query.shape[:3]
-    kv = own.shape[1]
-    values = own[..., layer.key_width :]  # (R, KV, L, d): query head h reads V of KV head h // (H / KV)
+    count, nb, kv, block = own.shape[:4]
+    group = heads // kv
+    padded = nb * block
+    values = own[..., layer.key_width :]  # (R, blocks, KV, block, d): query head h reads V of KV head h // group
     lengths_t = torch.tensor(lengths, device=query.device).view(-1, 1, 1, 1)
     k_pos = torch.arange(longest, device=query.device).view(1, 1, 1, -1)
-    every_head = torch.arange(heads, device=query.device)
     out = []
     for first in range(0, queries, ROWS):
         rows = min(ROWS, queries - first)
         q = query[:, :, first : first + rows]
         scores = None
-        for keys_t, head_index, start in parts:
-            q_part = q[..., start : start + keys_t.shape[2]]
-            if keys_t.shape[1] < heads and rows == 1:  # decoding: every query head against the part's few heads, then
-                # each takes its own (reads the keys once, instead of copying them to every query head)
-                cross = torch.matmul(q_part.reshape(count, 1, heads, -1), keys_t)  # (R, P, H, L)
-                part_scores = cross[:, head_index, every_head].unsqueeze(2)  # (R, H, 1, L)
-            else:
-                part_scores = torch.matmul(q_part, keys_t.index_select(1, head_index))  # (R, H, rows, L)
+        for keys, slots, pick, start in parts:
+            heads_p, width = keys.shape[2], keys.shape[3]
+            q_part = q[..., start : start + width].index_select(1, slots)  # (R, P * most, rows, width)
+            q_part = q_part.reshape(count, 1, heads_p, -1, width)  # (R, 1, P, most * rows, width)
+            part_scores = torch.matmul(q_part, keys)  # (R, blocks, P, most * rows, block)
+            blocks_p, block_p = part_scores.shape[1], part_scores.shape[-1]
+            part_scores = part_scores.view(count, blocks_p, -1, rows, block_p).index_select(2, pick)  # (R, blocks, H, rows, block)
+            part_scores = part_scores.permute(0, 2, 3, 1, 4).reshape(count, heads, rows, blocks_p * block_p)[..., :longest]
             scores = part_scores if scores is None else scores + part_scores
         q_pos = lengths_t - queries + first + torch.arange(rows, device=query.device).view(1, 1, -1, 1)
         hidden = k_pos > q_pos
         if layer.window is not None:
             hidden = hidden | (q_pos - k_pos >= layer.window)
         probs = torch.softmax(scores.float().masked_fill(hidden, float("-inf")), dim=-1).to(query.dtype)
-        block = torch.matmul(probs.reshape(count, kv, heads // kv * rows, longest), values)
-        out.append(block.view(count, heads, rows, -1))
+        if padded > longest:
+            probs = torch.nn.functional.pad(probs, (0, padded - longest))
+        # (R, H, rows, blocks * block) -> per block and KV head (R, blocks, KV, group * rows, block), times V, summed
+        probs = probs.view(count, kv, group * rows, nb, block).permute(0, 3, 1, 2, 4)
+        out.append(torch.matmul(probs, values).sum(1).view(count, heads, rows, -1))
     out = out[0] if len(out) == 1 else torch.cat(out, dim=2)
     return out.transpose(1, 2)
 

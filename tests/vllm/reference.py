@@ -9,8 +9,8 @@ trust_remote_code=True in this process, each prompt alone, with the remote code'
 Models (NAME): a tiny random checkpoint per family (tests/test_families.py's), converted in memory with the repo's own
 APIs (`converted_config`, the family's remote classes, `save_companion_files`): sparse-Align shared layers (a chain where
 the family allows one), FASC-factorised linears and a dropped-attention layer; "llama-own" has head matchings across KV
-groups (served with a shared layer's own cache); "smollm2" is the real SmolLM2-135M-Instruct with 8 shared layers
-(grouped head matching, chains of 2), down_proj of 4 layers factorised by a truncated SVD and one dropped attention.
+groups (served with a shared layer's own cache in the concatenated-feature layouts); "smollm2" is the real
+SmolLM2-135M-Instruct with 8 shared layers (grouped head matching, chains of 2), down_proj of 4 layers factorised by a truncated SVD and one dropped attention.
 """
 
 from __future__ import annotations

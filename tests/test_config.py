@@ -110,3 +110,25 @@ def test_share_ratio_beyond_what_max_chain_allows_is_refused_before_calibration(
     ConvertOptions(source="x", out=Path("o"), lisa=LisaOptions(share_ratio=0.5, max_chain=2)).check_against_model(config)
     with pytest.raises(HfcompressError, match="with at most 1 in a row: raise --lisa-max-chain"):
         ConvertOptions(source="x", out=Path("o"), lisa=LisaOptions(share_ratio=0.5, max_chain=1)).check_against_model(config)
+
+
+def test_convert_and_analyze_take_defaults_and_help_from_the_option_groups():
+    """One home per option: a command-line option's default and help are its group's field's, in both commands."""
+    import typer.main
+
+    from hfcompress.config import DeviceOptions, DistillOptions, FascOptions, LisaOptions, TextOptions
+    from hfcompress.options import option_spec
+
+    commands = typer.main.get_command(app).commands
+    convert = {p.name: p for p in commands["convert"].params}
+    analyze = {p.name: p for p in commands["analyze"].params}
+    for param, group, name in [
+        ("protect_first", LisaOptions, "protect_first"), ("lisa_steps", LisaOptions, "steps"), ("fasc_budget", FascOptions, "budget"),
+        ("distill_seq_len", DistillOptions, "seq_len"), ("seq_len", TextOptions, "seq_len"), ("device", DeviceOptions, "device"),
+    ]:  # fmt: skip
+        spec = option_spec(group, name)
+        assert (convert[param].default, convert[param].help) == (spec.default, spec.help), param
+        if param in analyze:
+            assert (analyze[param].default, analyze[param].help) == (spec.default, spec.help), param
+    assert analyze["share_ratio"].default == LisaOptions().ratio  # analyze shows what convert's default ratio shares
+    assert convert["fasc_targets"].default == ",".join(FascOptions.targets)

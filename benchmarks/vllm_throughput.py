@@ -107,6 +107,7 @@ def main() -> None:
         info[name] = answer(procs[name])
         print(f"{name}: ready, KV capacity {info[name]['kv_capacity_tokens']:,} tokens", flush=True)
     rates: dict[tuple[str, int], list[float]] = {(n, l): [] for n in models for l in lengths}
+    loads: dict[tuple[str, int], list[float]] = {(n, l): [] for n in models for l in lengths}  # 1-minute, after a round
     names = list(models)
     for rep in range(args.repeats):
         order = names[rep % len(names) :] + names[: rep % len(names)]
@@ -116,14 +117,16 @@ def main() -> None:
                 procs[name].stdin.flush()
                 result = answer(procs[name])
                 rates[(name, length)].append(result["generated"] / result["seconds"])
-                print(f"repeat {rep} prompt {length} {name}: {rates[(name, length)][-1]:.1f} tok/s", flush=True)
+                loads[(name, length)].append(os.getloadavg()[0])
+                print(f"repeat {rep} prompt {length} {name}: {rates[(name, length)][-1]:.1f} tok/s (load average "
+                      f"{loads[(name, length)][-1]:.1f})", flush=True)  # fmt: skip
     for proc in procs.values():
         proc.stdin.close()
         proc.wait(timeout=120)
-    write_results(args, models, info, rates, lengths)
+    write_results(args, models, info, rates, lengths, loads)
 
 
-def write_results(args, models: dict, info: dict, rates: dict, lengths: list[int]) -> None:
+def write_results(args, models: dict, info: dict, rates: dict, lengths: list[int], loads: dict) -> None:
     base = next(iter(models))
     command = "OMP_NUM_THREADS={} .venv-vllm/bin/python benchmarks/vllm_throughput.py {}".format(
         os.environ.get("OMP_NUM_THREADS", "unset"), " ".join(sys.argv[1:])
@@ -159,9 +162,10 @@ def write_results(args, models: dict, info: dict, rates: dict, lengths: list[int
     for name in models:
         if info[name]["kv_layout"]:
             lines.append(f"- {name} ({models[name]}): " + "; ".join(f"{k}: {v}" for k, v in info[name]["kv_layout"].items()))
-    lines += ["", "Every round (tok/s):", ""]
+    lines += ["", "Every round (tok/s, and the machine's 1-minute load average after it):", ""]
     for (name, length), values in rates.items():
-        lines.append(f"- {name}, prompt {length}: " + ", ".join(f"{v:.1f}" for v in values))
+        rounds = zip(values, loads[(name, length)])
+        lines.append(f"- {name}, prompt {length}: " + ", ".join(f"{v:.1f} (load {load:.1f})" for v, load in rounds))
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -1,7 +1,9 @@
 """Shared pytest fixtures.
 
 Local Hub fixtures (see ``tests/hub_server.py``): ``local_hub``, ``hub_env``, ``hub_inprocess``, ``hub_api``.
-Tiny model fixtures (see ``tests/tiny_models.py``): ``tiny_llama_dir``.
+``fast_network``: short Hub timeouts for the tests of network failures.
+Tiny model fixtures (see ``tests/tiny_models.py``): ``tiny_llama_dir`` (a private copy), ``warm`` (one per module,
+with a calibration cache its conversions share).
 """
 
 from __future__ import annotations
@@ -20,6 +22,32 @@ from tiny_models import save_tiny_llama  # noqa: E402
 
 HUB_TOKEN = TEST_TOKEN  # "hf_dummy_test_token"
 HUB_USER = TEST_USER  # "test-user"
+
+
+_OMP_NUM_THREADS = os.environ.get("OMP_NUM_THREADS")  # as the run was started: what the slow tier keeps
+_TORCH_THREADS: list[int] = []  # torch's own default, read once
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Fast-tier tests (not marked slow) run torch on one thread, in this process and, through OMP_NUM_THREADS, in the
+    processes they start: their models are tiny, and OpenMP's second thread costs more in synchronisation than it
+    gains (several times more on a busy machine). Set before the test's fixtures, so a module fixture first built for
+    a fast test builds with one thread too. The slow tier (real SmolLM2) keeps the defaults; tests/vllm its own."""
+    if "vllm" in item.path.relative_to(Path(__file__).parent).parts[:-1]:
+        return
+    import torch
+
+    if not _TORCH_THREADS:
+        _TORCH_THREADS.append(torch.get_num_threads())
+    slow = item.get_closest_marker("slow") is not None
+    torch.set_num_threads(_TORCH_THREADS[0] if slow else 1)
+    if not slow:
+        os.environ["OMP_NUM_THREADS"] = "1"
+    elif _OMP_NUM_THREADS is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = _OMP_NUM_THREADS
 
 
 @pytest.fixture(autouse=True)
@@ -125,10 +153,34 @@ def hub_api(local_hub):
     return HfApi(endpoint=local_hub.url, token=HUB_TOKEN)
 
 
+@pytest.fixture
+def fast_network(monkeypatch):
+    """Short Hub timeouts and retry backoff (``HFCOMPRESS_HTTP_TIMEOUT=2``, ``HFCOMPRESS_RETRY_DELAY=0.05``) for the
+    tests of network failures; afterwards ``huggingface_hub`` gets its default HTTP client back (hfcompress installs
+    its own). A module takes it with ``pytestmark = pytest.mark.usefixtures("fast_network")``, or changes a value in
+    an autouse fixture of its own that asks for it and calls ``monkeypatch.setenv``."""
+    from huggingface_hub import set_client_factory
+    from huggingface_hub.utils._http import default_client_factory
+
+    monkeypatch.setenv("HFCOMPRESS_HTTP_TIMEOUT", "2")
+    monkeypatch.setenv("HFCOMPRESS_RETRY_DELAY", "0.05")
+    yield
+    set_client_factory(default_client_factory)
+
+
 # ----------------------------------------------------------------------------------------------------- tiny models
 @pytest.fixture(scope="session")
 def _tiny_llama_template(tmp_path_factory) -> Path:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama_template") / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory) -> tuple[Path, Path]:
+    """(tiny model dir, calibration cache dir) shared by the conversions of one test module: the first conversion
+    with a module's settings fills the cache, the next ones reuse it. A change to the model dir is seen by the
+    module's later tests."""
+    root = tmp_path_factory.mktemp("warm")
+    return save_tiny_llama(root / "tiny-llama"), root / "cache"
 
 
 @pytest.fixture

@@ -620,11 +620,7 @@ class _Handler(BaseHTTPRequestHandler):
                     raise HubError(int(action.split(":", 1)[1]), f"Rejected request with {echoed}", code="Echo")
                 elif action == "reset":
                     self._drain_body()
-                    self.close_connection = True
-                    try:
-                        self.connection.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
+                    self._hang_up()
                     return
                 elif action == "truncate":
                     self._truncate = True
@@ -635,11 +631,7 @@ class _Handler(BaseHTTPRequestHandler):
                     else:  # chunked: the first chunk only
                         next(self._iter_body(), None)
                     self._body_consumed = True
-                    self.close_connection = True
-                    try:
-                        self.connection.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
+                    self._hang_up()
                     return
                 else:
                     self._drain_body()
@@ -701,6 +693,14 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _drain_body(self) -> None:
         for _ in self._iter_body():
+            pass
+
+    def _hang_up(self) -> None:
+        """Drop the connection without an answer (the client sees a reset)."""
+        self.close_connection = True
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
             pass
 
     def _json_body(self) -> Any:

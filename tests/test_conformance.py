@@ -3,7 +3,7 @@ output_hidden_states / output_attentions, return_dict=False, batched generation 
 
 import pytest
 import torch
-from test_modeling import lisa_copy, tiny_config
+from test_modeling import lisa_copy, random_lisa_model, tiny_config
 from test_shared_paths import eager_logits, left_padded
 from transformers import LlamaForCausalLM, StaticCache
 
@@ -32,14 +32,7 @@ NEW_TOKENS = 6
 def converted(name: str) -> torch.nn.Module:
     """A converted tiny model: random LISA modules, sparse layers reading permuted source heads with random scales."""
     lisa_layers, fasc_ranks = SPECS[name]
-    torch.manual_seed(0)
-    model = lisa_copy(LlamaForCausalLM(tiny_config()).eval(), lisa_layers=lisa_layers, fasc_ranks=fasc_ranks)
-    generator = torch.Generator().manual_seed(3)
-    for layer in model.model.layers:
-        if layer.is_lisa and layer.self_attn.sparse:
-            layer.self_attn.align.source.copy_(torch.randperm(4, generator=generator))
-            layer.self_attn.align.scale.data = 0.5 + torch.rand(4, generator=generator)
-    return model
+    return random_lisa_model(tiny_config(), lisa_layers=lisa_layers, fasc_ranks=fasc_ranks)
 
 
 @torch.no_grad()

@@ -29,15 +29,9 @@ REPO = f"{HUB_USER}/tiny"
 
 
 @pytest.fixture(autouse=True)
-def fast_network(monkeypatch):
-    """Short timeouts and backoff; afterwards give huggingface_hub its default client back."""
-    from huggingface_hub import set_client_factory
-    from huggingface_hub.utils._http import default_client_factory
-
+def _network(fast_network, monkeypatch):
+    """conftest's short Hub retry backoff, with a 5 s HTTP timeout."""
     monkeypatch.setenv("HFCOMPRESS_HTTP_TIMEOUT", "5")
-    monkeypatch.setenv("HFCOMPRESS_RETRY_DELAY", "0.05")
-    yield
-    set_client_factory(default_client_factory)
 
 
 def upload(hub_api, directory: Path, repo: str = REPO) -> str:

@@ -39,6 +39,20 @@ def lisa_copy(reference: LlamaForCausalLM, **spec) -> LisaLlamaForCausalLM:
     return model
 
 
+def random_lisa_model(config: LlamaConfig, **spec) -> LisaLlamaForCausalLM:
+    """`lisa_copy` of a random Llama (seed 0): random LISA modules, sparse layers reading permuted source heads with
+    random scales."""
+    torch.manual_seed(0)
+    model = lisa_copy(LlamaForCausalLM(config).eval(), **spec)
+    generator = torch.Generator().manual_seed(3)
+    heads = config.num_attention_heads
+    for layer in model.model.layers:
+        if layer.is_lisa and layer.self_attn.sparse:
+            layer.self_attn.align.source.copy_(torch.randperm(heads, generator=generator))
+            layer.self_attn.align.scale.data = 0.5 + torch.rand(heads, generator=generator)
+    return model
+
+
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_no_layer_converted_matches_llama(kv_heads):
     torch.manual_seed(0)

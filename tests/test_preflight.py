@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from hfcompress.cli import app
 from tests.conftest import HUB_USER
-from tests.tiny_models import save_tiny_llama
+from tests.helpers import one_error as refused
 
 runner = CliRunner()
 FAST = [
@@ -32,22 +32,7 @@ FAST = [
 SECRET = "hf_ReAdOnLy0123456789abcdefghijklmnopq"
 
 
-@pytest.fixture(autouse=True)
-def fast_network(monkeypatch):
-    from huggingface_hub import set_client_factory
-    from huggingface_hub.utils._http import default_client_factory
-
-    monkeypatch.setenv("HFCOMPRESS_HTTP_TIMEOUT", "2")
-    monkeypatch.setenv("HFCOMPRESS_RETRY_DELAY", "0.05")
-    yield
-    set_client_factory(default_client_factory)
-
-
-@pytest.fixture(scope="module")
-def warm(tmp_path_factory) -> tuple[Path, Path]:
-    """(tiny model dir, calibration cache) shared by this module's conversions."""
-    root = tmp_path_factory.mktemp("warm")
-    return save_tiny_llama(root / "tiny-llama"), root / "cache"
+pytestmark = pytest.mark.usefixtures("fast_network")  # conftest: short Hub timeouts
 
 
 def convert(*args: str):
@@ -58,18 +43,6 @@ def digest(path: Path) -> dict[str, str]:
     """Every file under `path` (or the file itself) with its content hash: what "untouched" means."""
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
     return {str(f): hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
-
-
-def refused(result, exit_code: int, *needles: str) -> str:
-    """The one `error:` sentence of a refusal with `exit_code`, checked for each needle (whitespace-normalised)."""
-    assert result.exit_code == exit_code, result.output
-    assert isinstance(result.exception, SystemExit), result.exception
-    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, result.output
-    text = " ".join(result.output.split())
-    for needle in needles:
-        assert needle in text, result.output
-    return text
 
 
 # ------------------------------------------------------------------------------------- the source is never written

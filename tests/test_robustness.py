@@ -20,7 +20,6 @@ from typer.testing import CliRunner
 from hfcompress.cli import app
 from tests.conftest import HUB_USER
 from tests.hub_server import subprocess_env
-from tests.tiny_models import save_tiny_llama
 
 runner = CliRunner()
 # the calibration settings every conversion here shares, so the cache warmed by one test serves the next
@@ -28,28 +27,17 @@ FAST = [
     "--calib-sequences", "6", "--seq-len", "64", "--eval-tokens", "256", "--lisa-steps", "5", "--protect-first", "1",
     "--no-probe", "--no-speed", "--no-peers",  # the peers have their own tests (test_layer_plan.py)
     "--distill-tokens", "0",
+    # the 465 kB built-in text, no other-domain text: tokenising the 4.3 MB offline mixture (test_text_sources.py
+    # tests it) cost each conversion more than its tiny model's work
+    "--calib-text", "builtin", "--eval-text", "builtin", "--ood-text", "none",
 ]
 SECRET = "hf_SeCrEt0123456789abcdefghijklmnopqrs"  # shaped like a real user access token
 
 
 @pytest.fixture(autouse=True)
-def fast_network(monkeypatch):
-    """Short timeouts and backoff; afterwards give huggingface_hub its default client back."""
-    from huggingface_hub import set_client_factory
-    from huggingface_hub.utils._http import default_client_factory
-
-    monkeypatch.setenv("HFCOMPRESS_HTTP_TIMEOUT", "2")
-    monkeypatch.setenv("HFCOMPRESS_RETRY_DELAY", "0.05")
+def _network(fast_network, monkeypatch):
+    """conftest's short Hub timeouts, and four push attempts."""
     monkeypatch.setenv("HFCOMPRESS_PUSH_ATTEMPTS", "4")
-    yield
-    set_client_factory(default_client_factory)
-
-
-@pytest.fixture(scope="module")
-def warm(tmp_path_factory) -> tuple[Path, Path]:
-    """(tiny model dir, calibration cache dir) shared by the conversions of this module."""
-    root = tmp_path_factory.mktemp("warm")
-    return save_tiny_llama(root / "tiny-llama"), root / "cache"
 
 
 def convert(*args: str):
@@ -266,7 +254,8 @@ def test_hub_source_code_never_downloaded_or_run(hub_inprocess, hub_api, tiny_ll
     assert not hub_inprocess.requests_matching(contains="model.safetensors")  # refused before the weights
 
     plot = tmp_path / "sim.png"
-    result = runner.invoke(app, ["analyze", repo, "--trust-remote-code", "--plot", str(plot), *FAST[:4]])
+    analyze = ["analyze", repo, "--trust-remote-code", "--plot", str(plot), *FAST[:4], "--calib-text", "builtin"]
+    result = runner.invoke(app, analyze)
     assert result.exit_code == 0, result.output
     assert plot.is_file() and not marker.exists()
     assert not hub_inprocess.requests_matching(contains=".py")  # never even downloaded

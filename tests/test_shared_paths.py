@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from test_modeling import lisa_copy, tiny_config
+from test_modeling import lisa_copy, random_lisa_model, tiny_config
 from transformers import LlamaForCausalLM
 from transformers.models.llama.modeling_llama import repeat_kv
 
@@ -30,14 +30,7 @@ SPECS = {
 
 def shared_model(spec: dict) -> torch.nn.Module:
     """A 6-layer LisaLlama with random LISA modules: sparse layers read permuted source heads with random scales."""
-    torch.manual_seed(0)
-    model = lisa_copy(LlamaForCausalLM(tiny_config(num_hidden_layers=6)).eval(), lisa_layers=spec)
-    generator = torch.Generator().manual_seed(3)
-    for layer in model.model.layers:
-        if layer.is_lisa and layer.self_attn.sparse:
-            layer.self_attn.align.source.copy_(torch.randperm(4, generator=generator))
-            layer.self_attn.align.scale.data = 0.5 + torch.rand(4, generator=generator)
-    return model
+    return random_lisa_model(tiny_config(num_hidden_layers=6), lisa_layers=spec)
 
 
 @torch.no_grad()

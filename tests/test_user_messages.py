@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from hfcompress.cli import app
-from tests.tiny_models import save_tiny_llama
+from tests.helpers import one_error
 
 runner = CliRunner()
 FAST = [
@@ -21,17 +21,6 @@ FAST = [
     "--no-probe", "--no-speed", "--distill-tokens", "0", "--calib-text", "builtin", "--eval-text", "builtin",
     "--ood-text", "none", "--max-ppl-increase", "1000",
 ]
-
-
-def one_error(result, exit_code: int, *needles: str) -> str:
-    assert result.exit_code == exit_code, result.output
-    assert isinstance(result.exception, SystemExit), result.exception
-    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, result.output
-    text = " ".join(result.output.split())
-    for needle in needles:
-        assert needle in text, result.output
-    return text
 
 
 # ----------------------------------------------------------------------------------------------- eval and push
@@ -72,18 +61,12 @@ def test_truncated_gguf_says_download_it_again(tmp_path, monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------- a run in a log
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("messages")
-    return save_tiny_llama(root / "tiny-llama"), root / "cache"
-
-
 @pytest.mark.slow  # two conversions: ~40 s on 2 busy cores
-def test_a_run_in_a_log_and_a_rerun_that_converts_nothing(tiny, tmp_path, monkeypatch):
+def test_a_run_in_a_log_and_a_rerun_that_converts_nothing(warm, tmp_path, monkeypatch):
     """Output to a non-terminal (as in CI): plain progress lines with counts and time, no source locations; a rerun
     says what it reused; a run that shares and factorises nothing says so; generation_config.json is written even
     when the source has none."""
-    source, cache = tiny
+    source, cache = warm
     monkeypatch.setenv("HFCOMPRESS_CACHE", str(cache))
     result = runner.invoke(app, ["convert", str(source), "--out", str(tmp_path / "a"), *FAST])
     assert result.exit_code == 0, result.output

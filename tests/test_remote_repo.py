@@ -27,7 +27,7 @@ CONVERT = [
     "--max-ppl-increase", "1000", "--no-speed", "--no-probe", "--distill-tokens", "0",
     "--calib-sequences", "4", "--seq-len", "64", "--eval-tokens", "256", "--lisa-steps", "4",
     "--lisa-layers", "2,3", "--lisa-align", "dense", "--lisa-lowrank-keys", "head", "--fasc-budget", "0.8",
-    "--ood-text", "none",
+    "--calib-text", "builtin", "--eval-text", "builtin", "--ood-text", "none",  # one small text: the files matter here
 ]  # fmt: skip
 TEXT = "def f(x):\n    return x ** 2  # squares, 123 and naïve ünïcode"
 

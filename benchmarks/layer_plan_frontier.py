@@ -77,10 +77,18 @@ def row(name: str, report: dict) -> str:
         f"{report['wall_seconds'] / 60:.1f} min |"
     ]
     for peer in peers["peers"]:
+        timed = speed.get("peers", {}).get(peer["name"])  # the peers the speed step timed (peers.speed_peers)
+        peer_decode = f"{timed['decode_speedup']:.2f}x" if timed else ""
         lines.append(
-            f"| &nbsp; {peer['name']} | | {peer['kv_ratio']:.3f}x | {' | '.join(ppl(peer, t) for t in texts)} | | | |"
+            f"| &nbsp; {peer['name']} | | {peer['kv_ratio']:.3f}x | {' | '.join(ppl(peer, t) for t in texts)} | {peer_decode} | | |"
         )
     return "\n".join(lines)
+
+
+def short(text: str) -> str:
+    """A gated text's name for a column: the mixture by its word, the rest by name."""
+    name = text.split(" (")[0]
+    return "mixture (held out)" if name.startswith("mixture of") else name
 
 
 def table() -> None:
@@ -89,7 +97,7 @@ def table() -> None:
     for path in sorted(REPORTS.glob("*.json")):
         report = json.loads(path.read_text())
         model = path.stem.split("-")[0]
-        gate = tuple(t["eval_text"].split(" (")[0] for t in report["validation"]["texts"])
+        gate = tuple(short(t["eval_text"]) for t in report["validation"]["texts"])
         sections.setdefault((model, gate), {})[path.stem[len(model) + 1 :]] = report
     lines = [
         "# The layer plan's frontier, against the training-free peers",

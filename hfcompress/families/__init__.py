@@ -24,17 +24,40 @@ class Family:
     model_types: tuple[str, ...]  # source config model_type values of this family
     transformers_config: str  # transformers' config class, e.g. "Qwen2Config"
     transformers_causal_lm: str  # transformers' causal-LM class: the source loader and the distillation teacher
-    converted_model_type: str  # `model_type` of the converted config.json, e.g. "lisa_qwen2"
-    config_module: str  # remote-code module of the converted config, e.g. "configuration_lisa_qwen2"
-    modeling_module: str  # remote-code module of the converted model, e.g. "modeling_lisa_qwen2"
-    config_class: str  # class names in those modules
-    model_class: str
-    causal_lm_class: str
     # config.json fields a source must define (transformers' defaults would be another model's shapes); a custom-code
     # source of an unknown model_type that has Llama's is converted as Llama
     required_fields: tuple[str, ...]
     # GGUF `general.architecture` values converted (transformers loads a "llama" GGUF named *mistral* as Mistral)
     gguf_architectures: tuple[str, ...] = ()
+
+    # the converted model's names follow from the family's: lisa_<name>, configuration_lisa_<name>.Lisa<Title>Config, ...
+    @property
+    def converted_model_type(self) -> str:  # `model_type` of the converted config.json, e.g. "lisa_qwen2"
+        return f"lisa_{self.name}"
+
+    @property
+    def config_module(self) -> str:  # remote-code module of the converted config, e.g. "configuration_lisa_qwen2"
+        return f"configuration_lisa_{self.name}"
+
+    @property
+    def modeling_module(self) -> str:  # remote-code module of the converted model, e.g. "modeling_lisa_qwen2"
+        return f"modeling_lisa_{self.name}"
+
+    @property
+    def _class_prefix(self) -> str:  # "LisaQwen2", "LisaGemma3"
+        return "Lisa" + self.title.replace(" ", "")
+
+    @property
+    def config_class(self) -> str:
+        return f"{self._class_prefix}Config"
+
+    @property
+    def model_class(self) -> str:
+        return f"{self._class_prefix}Model"
+
+    @property
+    def causal_lm_class(self) -> str:
+        return f"{self._class_prefix}ForCausalLM"
 
     @property
     def auto_map(self) -> dict[str, str]:

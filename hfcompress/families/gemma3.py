@@ -11,12 +11,6 @@ FAMILY = Family(
     model_types=("gemma3_text",),
     transformers_config="Gemma3TextConfig",
     transformers_causal_lm="Gemma3ForCausalLM",
-    converted_model_type="lisa_gemma3",
-    config_module="configuration_lisa_gemma3",
-    modeling_module="modeling_lisa_gemma3",
-    config_class="LisaGemma3Config",
-    model_class="LisaGemma3Model",
-    causal_lm_class="LisaGemma3ForCausalLM",
     required_fields=(
         "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "head_dim",
     ),  # fmt: skip

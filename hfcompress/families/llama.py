@@ -9,12 +9,6 @@ FAMILY = Family(
     model_types=("llama",),
     transformers_config="LlamaConfig",
     transformers_causal_lm="LlamaForCausalLM",
-    converted_model_type="lisa_llama",
-    config_module="configuration_lisa_llama",
-    modeling_module="modeling_lisa_llama",
-    config_class="LisaLlamaConfig",
-    model_class="LisaLlamaModel",
-    causal_lm_class="LisaLlamaForCausalLM",
     required_fields=("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"),
     gguf_architectures=("llama",),
 )

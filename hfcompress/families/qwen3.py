@@ -9,12 +9,6 @@ FAMILY = Family(
     model_types=("qwen3",),
     transformers_config="Qwen3Config",
     transformers_causal_lm="Qwen3ForCausalLM",
-    converted_model_type="lisa_qwen3",
-    config_module="configuration_lisa_qwen3",
-    modeling_module="modeling_lisa_qwen3",
-    config_class="LisaQwen3Config",
-    model_class="LisaQwen3Model",
-    causal_lm_class="LisaQwen3ForCausalLM",
     required_fields=(
         "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "head_dim",
     ),  # fmt: skip

@@ -33,6 +33,8 @@ def worker(model: str, dtype: str, max_len: int, concurrency: int, batched_token
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from hfcompress.vllm_plugin import exit_cleanly
+
     llm = LLM(
         model=model, dtype=dtype, max_model_len=max_len, max_num_seqs=concurrency, enable_prefix_caching=False, seed=0,
         max_num_batched_tokens=batched_tokens,
@@ -61,6 +63,7 @@ def worker(model: str, dtype: str, max_len: int, concurrency: int, batched_token
         elapsed = time.perf_counter() - start
         generated = sum(len(o.outputs[0].token_ids) for o in outputs)
         print(json.dumps({"seconds": elapsed, "generated": generated}), flush=True)
+    exit_cleanly(llm)
 
 
 def real_text_ids(tokenizer) -> list[int]:

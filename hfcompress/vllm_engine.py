@@ -67,7 +67,8 @@ def vllm_perplexities(model_dir: str, texts: list[torch.Tensor], context: int, s
         )  # fmt: skip
         if proc.returncode != 0:
             lines = [l for l in proc.stderr.strip().splitlines() if "Error" in l] or proc.stderr.strip().splitlines()[-1:]
-            raise HfcompressError(f"vLLM could not score {model_dir}: {(lines or ['no output'])[-1].strip()}")
+            status = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit status {proc.returncode}"
+            raise HfcompressError(f"vLLM could not score {model_dir} ({status}): {(lines or ['no output'])[-1].strip()}")
         nll = iter(json.loads(result.read_text())["nll"])
     results = []
     for plan in plans:

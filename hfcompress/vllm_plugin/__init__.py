@@ -32,3 +32,16 @@ def register() -> None:
     for arch in ARCHITECTURES:
         if arch not in supported:
             ModelRegistry.register_model(arch, f"hfcompress.vllm_plugin.model:{arch}")
+
+
+def exit_cleanly(llm) -> None:
+    """End a process that ran a vLLM `LLM` with exit status 0, once its results are written: stop the engine-core
+    process, then leave without the interpreter's teardown, where vLLM's background threads can abort the process
+    ("terminate called without an active exception", SIGABRT) and turn finished work into a failure."""
+    import os
+    import sys
+
+    llm.llm_engine.engine_core.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -20,6 +20,8 @@ def main(model: str, windows_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from . import exit_cleanly
+
     request = json.loads(open(windows_path).read())
     windows = request["windows"]
     llm = LLM(
@@ -33,8 +35,10 @@ def main(model: str, windows_path: str, out_path: str) -> None:
         # prompt_logprobs[0] is None (the first token has no context); entry t holds the actual token's log-prob
         nll.append([-output.prompt_logprobs[t][window[t]].logprob for t in range(1, len(window))])
     config = llm.llm_engine.vllm_config.cache_config
-    with open(out_path, "w") as handle:
+    with open(out_path + ".part", "w") as handle:
         json.dump({"nll": nll, "kv_capacity_tokens": int(config.num_gpu_blocks * config.block_size)}, handle)
+    os.replace(out_path + ".part", out_path)
+    exit_cleanly(llm)
 
 
 if __name__ == "__main__":

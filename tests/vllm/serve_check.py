@@ -13,6 +13,8 @@ import json
 import os
 import sys
 
+from hfcompress.vllm_plugin import exit_cleanly
+
 
 def engine(model_dir: str, max_model_len: int, chunk: int = 64):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -60,6 +62,7 @@ def main(model_dir: str, reference_path: str, result_path: str) -> None:
     }
     with open(result_path, "w") as handle:
         json.dump(result, handle)
+    exit_cleanly(llm)
 
 
 def kv_capacity(engine) -> int | None:
@@ -86,5 +89,6 @@ if __name__ == "__main__":
     if sys.argv[1] == "--capacity":  # the same engine, nothing served: {"kv_capacity_tokens": N} on the last line
         llm = engine(sys.argv[2], 316)
         print(json.dumps({"kv_capacity_tokens": kv_capacity(llm.llm_engine)}), flush=True)
+        exit_cleanly(llm)
     else:
         main(*sys.argv[1:4])

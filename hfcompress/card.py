@@ -357,6 +357,7 @@ def render_card(report: dict, repo_id: str) -> ModelCard:
         dtype=report.get("dtype", "float32"),
         dropped_layers=lisa.get("dropped_attention_layers") or [],
         peers=peers_view(report),
+        back_off=report.get("back_off") or [],
     )
     return ModelCard(re.sub(r"\n{3,}", "\n\n", card.content))  # the template's skipped sections leave blank runs
 

@@ -21,6 +21,7 @@ import torch
 
 from .build import converted_config
 from .distill import DistillOptions
+from .distill.options import launched_processes
 from .errors import HfcompressError
 from .fasc import FascOptions
 from .lisa import LisaOptions
@@ -161,6 +162,11 @@ class ConvertOptions(TextOptions, OutputOptions, DeviceOptions):
         False, "Accept a source that declares custom code (auto_map); its code is never run.", "--trust-remote-code"
     )
     max_ppl_increase: float = option(10.0, "Quality gate: largest allowed perplexity increase, in percent.")  # percent
+    # a failed gate converts again with fewer changed layers (pipeline.fewer_changes) instead of ending the run
+    back_off: bool = option(
+        False, "When the quality gate fails, convert again with fewer shared layers until it passes.",
+        "--back-off/--no-back-off",
+    )  # fmt: skip
     cache_dir: Path = field(default_factory=default_cache_dir)
     seed: int = option(0, "Random seed (fitting and probes).")
     # factual-recall probe; None = when the whole model fits in memory
@@ -205,7 +211,25 @@ class ConvertOptions(TextOptions, OutputOptions, DeviceOptions):
             )
         self.quantize.validate()
         self.distill.check_launch()
+        self.check_back_off()
         return self
+
+    def check_back_off(self) -> None:
+        """--back-off lowers the count --share-ratio asks for, on one process (the gate after distillation is the main
+        process's)."""
+        if not self.back_off:
+            return
+        chosen_by = {"--lisa-layers": self.lisa.layers, "--lisa-ppl-budget": self.lisa.ppl_budget}
+        for flag, value in chosen_by.items():
+            if value is not None:
+                raise HfcompressError(
+                    f"--back-off lowers the number of layers --share-ratio changes, and {flag} chooses them instead: "
+                    f"drop {flag} (use --share-ratio) or drop --back-off."
+                )
+        if self.lisa.share_ratio == 0:
+            raise HfcompressError("--back-off removes shared layers when the gate fails, and --share-ratio 0 shares none: drop --back-off.")
+        if launched_processes() > 1:
+            raise HfcompressError("--back-off runs on one process: launch without accelerate/torchrun, or drop --back-off.")
 
     def check_against_model(self, config) -> None:
         """Checks that need the source's config (layer count, attention types and shapes), each group's own; run before

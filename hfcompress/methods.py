@@ -112,6 +112,15 @@ class Method(ABC):
     def report(self) -> dict:
         return {}
 
+    def changed_layers(self) -> dict[str, list[int]]:
+        """The layers its plan changed, by kind of change (known once plan has run): what --back-off lowers. Empty for
+        a method whose changes --back-off leaves alone."""
+        return {}
+
+    def with_fewer_changes(self, options, count: int):
+        """`options` (ConvertOptions) with this method's plan changing `count` layers; None when it cannot."""
+        return None
+
 
 class Finisher(ABC):
     """A step on the whole converted model after the streamed conversion (distillation from the original)."""

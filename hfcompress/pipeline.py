@@ -8,6 +8,7 @@
     convert           per layer every method applies its change; perplexities in the same pass passes.convert_layers
     finish            distillation, probe, speed, peers: when the whole model fits               (here), wholemodel.py
     report            the gate on every text, every method's section                             report.build_report
+    back off          --back-off: a failed gate converts again with fewer changed layers        (here)
     write             shards, config, remote code, reload check, card: atomically               output.write_output
     push              when asked and the gate passed (or --force)                                (here)
 
@@ -20,6 +21,8 @@ share of the evaluation windows; statistics and log-likelihoods are all-reduced,
 all-gathered, and only the main process writes files.
 """
 
+import math
+import shutil
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -55,9 +58,33 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> Report:
 
 
 def _convert(options: ConvertOptions, argv: list[str] | None) -> Report:
-    return_freed_memory()
     steps = Steps()
     token, out_dir = check_targets(options)
+    tried: list[dict] = []
+    while True:
+        run, methods, report, converted = attempt(options, token, argv, steps, out_dir)
+        fewer = fewer_changes(options, methods, report) if options.back_off and not report.validation.gate_passed else None
+        if fewer is None:
+            break
+        tried.append(attempt_record(methods, report))
+        shutil.rmtree(converted.work, ignore_errors=True)  # the failed attempt's layer files
+        console.log(
+            f"back-off: the gate failed with {changes(methods)} changed layers ({report.validation.gate_message}); "
+            f"converting again with {fewer[1]}", highlight=False,
+        )  # fmt: skip
+        options = fewer[0]
+    if tried:
+        report.back_off = [*tried, attempt_record(methods, report)]
+    if not run.processes.is_main:
+        return report
+    out_dir = write_output(run, report, converted, out_dir)
+    return publish(run, report, out_dir, token)
+
+
+def attempt(options: ConvertOptions, token: str | None, argv: list[str] | None, steps: Steps,
+            out_dir: Path) -> tuple[Run, list[Method], Report, Converted]:  # fmt: skip
+    """One conversion with `options`, up to its report; nothing is written to --out yet."""
+    return_freed_memory()
     torch.manual_seed(options.seed)
     methods, finishers = build_methods(options)
     active = [m for m in methods if m.active()]
@@ -69,11 +96,36 @@ def _convert(options: ConvertOptions, argv: list[str] | None) -> Report:
     converted = convert_layers(run, active)
     save_rest(run, converted)
     converted, results = finish(run, whole, converted)
-    report = build_report(run, methods, whole, results, converted.perplexities)
-    if not run.processes.is_main:
-        return report
-    out_dir = write_output(run, report, converted, out_dir)
-    return publish(run, report, out_dir, token)
+    return run, methods, build_report(run, methods, whole, results, converted.perplexities), converted
+
+
+def changes(methods: list[Method]) -> int:
+    """How many layers the methods' plans changed in ways --back-off can lower."""
+    return sum(len(layers) for m in methods if m.active() for layers in m.changed_layers().values())
+
+
+def fewer_changes(options: ConvertOptions, methods: list[Method], report: Report) -> tuple[ConvertOptions, int] | None:
+    """--back-off's next attempt after a failed gate, and its count of changed layers: as many as the worst text's
+    overshoot allows if every changed layer cost the same share of the increase, and at least one fewer. None when
+    none would be left, or no method can lower its count."""
+    changed = changes(methods)
+    worst = max(row["perplexity_increase_pct"] for row in report.validation.texts)
+    limit = options.max_ppl_increase
+    count = min(changed - 1, math.floor(changed * limit / worst) if worst > 0 and limit > 0 else changed - 1)
+    if count < 1:
+        return None
+    lowering = next((m for m in methods if m.active() and m.changed_layers()), None)
+    fewer = lowering.with_fewer_changes(options, count) if lowering else None
+    return (fewer, count) if fewer is not None else None
+
+
+def attempt_record(methods: list[Method], report: Report) -> dict:
+    """One attempt of --back-off, for the report and the card: the layers it changed and its gate."""
+    changed = {kind: layers for m in methods if m.active() for kind, layers in m.changed_layers().items()}
+    return {
+        "changed_layers": changed, "gate_passed": report.validation.gate_passed,
+        "texts": [{"eval_text": row["eval_text"], "perplexity_increase_pct": row["perplexity_increase_pct"]} for row in report.validation.texts],
+    }  # fmt: skip
 
 
 def check_targets(options: ConvertOptions) -> tuple[str | None, Path]:
@@ -127,8 +179,13 @@ def publish(run: Run, report: Report, out_dir: Path, token: str | None) -> Repor
         report.push = {"repo_id": options.push_to, "commit_url": url}
         console.log(f"pushed {options.push_to}: {url}")
     elif not validation.gate_passed:
+        tried = ""
+        if report.back_off:
+            counts = ", ".join(str(sum(len(layers) for layers in a["changed_layers"].values())) for a in report.back_off)
+            tried = f" --back-off tried {counts} changed layers and none passed;"
         raise HfcompressError(
-            f"The quality gate failed ({validation.gate_message}); the model was written to {out_dir} but is marked as failed.",
+            f"The quality gate failed ({validation.gate_message});{tried} the model was written to {out_dir} but is "
+            "marked as failed.",
             exit_code=GATE_FAILED_EXIT,
         )
     return report

@@ -67,6 +67,7 @@ class Report:
     licence: dict = field(default_factory=dict)  # the source's licence, where it was declared, the files copied (card.py)
     wall_seconds: float | None = None
     push: dict | None = None
+    back_off: list[dict] | None = None  # --back-off's attempts in order, the last the written one (pipeline.py)
 
     def to_dict(self) -> dict:
         data = asdict(self)

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -249,3 +250,56 @@ def test_a_new_plan_in_the_same_cache_converts_afresh(tiny, tmp_path):
         names = set(weights(out))
         assert f"model.layers.{layers[0]}.self_attn.q_lowrank.weight" in names
         assert f"model.layers.{3 - layers[0]}.self_attn.q_proj.weight" in names
+
+
+def test_back_off_is_refused_where_it_has_no_count_to_lower(tiny, tmp_path):
+    """--back-off lowers the count --share-ratio asks for: with an explicit list or a search it is refused before any
+    work, with the flag to drop."""
+    for lisa, flag in ((LisaOptions(layers=[1, 2]), "--lisa-layers"), (LisaOptions(ppl_budget=5.0), "--lisa-ppl-budget")):
+        with pytest.raises(HfcompressError, match=f"--back-off .*{flag} chooses them instead"):
+            pipeline.convert(ConvertOptions(source=str(tiny), out=tmp_path / "out", back_off=True, lisa=lisa), argv=[])
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow  # up to five tiny conversions (their calibration shared)
+def test_back_off_converts_again_with_fewer_layers_until_the_gate_passes(tmp_path):
+    """A failed gate with --back-off converts again with fewer shared layers: it stops at the first count that passes
+    (written, exit 0, the attempts in the report and the card), or after one layer, marked failed (exit 3)."""
+    from safetensors.torch import load_file, save_file
+
+    # sharp attention (Q and K x8): each layer attends its own way, so sharing costs perplexity (about +0.14% at one
+    # layer, +0.38% at three) where the random tiny model's near-uniform attention costs nothing
+    tiny = save_tiny_llama(tmp_path / "sharp")
+    tensors = load_file(tiny / "model.safetensors")
+    save_file({k: v * 8 if ".q_proj." in k or ".k_proj." in k else v for k, v in tensors.items()}, tiny / "model.safetensors", metadata={"format": "pt"})
+    cache = tmp_path / "cache"
+    base = {**SETTINGS, "fasc": FascOptions(), "lisa": LisaOptions(share_ratio=0.75, protect_first=1, steps=10)}
+
+    def increase(ratio: float) -> float:
+        settings = {**base, "lisa": replace(base["lisa"], share_ratio=ratio)}
+        report = pipeline.convert(ConvertOptions(source=str(tiny), out=tmp_path / f"r{ratio}", cache_dir=cache, **settings), argv=[])
+        return report.validation.perplexity_increase_pct
+
+    three, one = increase(0.75), increase(0.25)
+    assert one < three  # the tiny model loses more with more shared layers: a limit between them passes at fewer
+    limit = (one + three) / 2
+    options = ConvertOptions(source=str(tiny), out=tmp_path / "out", cache_dir=cache, back_off=True, **{**base, "max_ppl_increase": limit})
+    report = pipeline.convert(options, argv=[]).to_dict()
+    attempts = report["back_off"]
+    assert len(attempts) >= 2 and len(attempts[0]["changed_layers"]["shared"]) == 3 and not attempts[0]["gate_passed"]
+    assert attempts[-1]["gate_passed"] and all(not a["gate_passed"] for a in attempts[:-1])
+    assert report["lisa"]["layers"] == attempts[-1]["changed_layers"]["shared"] and len(report["lisa"]["layers"]) < 3
+    assert report["validation"]["gate_passed"] and report["validation"]["perplexity_increase_pct"] <= limit
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "`--back-off` converted again with fewer" in card and "| 1 | 3 | 0 |" in card
+
+    # a limit no count reaches: every count down to one layer is tried, and the last is written marked failed
+    proc = subprocess.run(
+        [sys.executable, "-m", "hfcompress.cli", "convert", str(tiny), "--out", str(tmp_path / "fails"), "--back-off",
+         *CLI_SETTINGS, "--fasc-budget", "1.0", "--share-ratio", "0.75", "--max-ppl-increase", "-50"],
+        capture_output=True, text=True, env=dict(os.environ, HFCOMPRESS_CACHE=str(cache)), timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "--back-off tried 3, 2, 1 changed layers and none passed" in " ".join(proc.stderr.split())
+    failed = json.loads((tmp_path / "fails" / "hfcompress_report.json").read_text())
+    assert [len(a["changed_layers"]["shared"]) for a in failed["back_off"]] == [3, 2, 1]

@@ -210,6 +210,15 @@ class LisaMethod(Method):
     def restore(self, state: dict) -> None:
         self.records, self.qk_params, self.below = state["records"], state["qk_params"], state["below"]
 
+    def changed_layers(self) -> dict[str, list[int]]:
+        fixed = set(self.options.drop_layers or [])  # --drop-attention-layers: the user's, not the plan's
+        return {"shared": self.chosen, "attention dropped": [layer for layer in self.dropped if layer not in fixed]}
+
+    def with_fewer_changes(self, options, count: int):
+        if self.options.layers is not None or self.options.ppl_budget is not None:
+            return None  # the layers are the user's list, or the search's choice: no count to lower
+        return replace(options, lisa=replace(options.lisa, share_ratio=count / self.config.num_hidden_layers))
+
     def report(self) -> dict:
         config = self.config
         dense_qk = config.hidden_size * config.head_dim * (config.num_attention_heads + config.num_key_value_heads)

@@ -29,6 +29,16 @@ def cache_key(*parts: object) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+# modules that compute nothing a conversion caches (serving in vLLM, the eval and analyze commands, the card, plots,
+# pushing, the benchmarks' in-memory API): editing them keeps the calibration cache
+NOT_CACHED = ("vllm_plugin", "vllm_engine.py", "evaluate.py", "harness.py", "analyze.py", "card.py", "plots.py", "push.py", "research.py")
+
+
+def fingerprinted_sources(package: Path) -> list[Path]:
+    """The sources `code_fingerprint` hashes: `package`'s modules, its subpackages' included, but NOT_CACHED ones."""
+    return sorted(p for p in package.rglob("*.py") if p.relative_to(package).parts[0] not in NOT_CACHED)
+
+
 @cache
 def code_fingerprint() -> str:
     """Hash of hfcompress's and the converted modeling's source: part of the work-directory key, so that a rerun
@@ -36,7 +46,8 @@ def code_fingerprint() -> str:
     from .remote import modeling_dir
 
     digest = hashlib.sha256()
-    files = {*Path(__file__).resolve().parent.rglob("*.py"), *modeling_dir().glob("*.py")}  # rglob: modeling in a wheel
+    # in a wheel the modeling sits inside the package, which fingerprinted_sources walks
+    files = {*fingerprinted_sources(Path(__file__).resolve().parent), *modeling_dir().glob("*.py")}
     for path in sorted(files):
         digest.update(path.name.encode() + path.read_bytes())
     return digest.hexdigest()[:16]

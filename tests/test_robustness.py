@@ -573,3 +573,15 @@ def test_forced_push_card_and_no_token_anywhere(warm, local_hub, tmp_path):
     assert {"config.json", "README.md", "hfcompress_report.json"} <= {p.name for p in written}
     assert not [p for p in written if SECRET.encode() in p.read_bytes()]
     assert not [f for f in local_hub.files(repo) if SECRET.encode() in local_hub.read_file(repo, f)]
+
+
+def test_code_fingerprint_covers_what_a_conversion_caches_and_nothing_else():
+    """The cache key's code hash reads every module that computes what a conversion caches (statistics, fits, trained
+    weights), and not the serving plugin, the card or the eval command: editing those keeps hours of calibration."""
+    import hfcompress
+    from hfcompress.calibrate import fingerprinted_sources
+
+    package = Path(hfcompress.__file__).resolve().parent
+    names = {str(p.relative_to(package)) for p in fingerprinted_sources(package)}
+    assert {"passes.py", "calibrate.py", "lisa/fit.py", "fasc/__init__.py", "distill/__init__.py", "validate.py", "cli.py"} <= names
+    assert not {"card.py", "evaluate.py", "vllm_engine.py", "vllm_plugin/model.py", "vllm_plugin/lowrank.py"} & names

@@ -4,7 +4,8 @@ VLLM_CPU_KVCACHE_SPACE). Runs in .venv-vllm (scripts/install_vllm.sh):
 
     OMP_NUM_THREADS=2 .venv-vllm/bin/python benchmarks/vllm_throughput.py --model original=DIR --model converted=DIR2 \
         [--model other=DIR3 ...] [--prompt-lens 512,2048] [--concurrency 16] [--new-tokens 64] [--repeats 3] \
-        [--dtype float32] [--kv-space 2] [--max-num-batched-tokens 2048] [--out benchmarks/results-vllm.md]
+        [--dtype float32] [--kv-cache-dtype auto] [--kv-space 2] [--max-num-batched-tokens 2048] \
+        [--out benchmarks/results-vllm.md]
 
 Each model gets one engine in its own process, started once (alive side by side); the timed rounds are interleaved
 (original, converted, ..., the order rotating each repeat) and the medians reported. A round is one `generate` of
@@ -28,7 +29,7 @@ from pathlib import Path
 WORKER = "--worker"
 
 
-def worker(model: str, dtype: str, max_len: int, concurrency: int, batched_tokens: int) -> None:
+def worker(model: str, dtype: str, max_len: int, concurrency: int, batched_tokens: int, kv_cache_dtype: str) -> None:
     """One engine; reads `PROMPT_LEN NEW_TOKENS SEED` lines, answers one JSON line each."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -37,7 +38,7 @@ def worker(model: str, dtype: str, max_len: int, concurrency: int, batched_token
 
     llm = LLM(
         model=model, dtype=dtype, max_model_len=max_len, max_num_seqs=concurrency, enable_prefix_caching=False, seed=0,
-        max_num_batched_tokens=batched_tokens,
+        max_num_batched_tokens=batched_tokens, kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip
     config = llm.llm_engine.vllm_config.cache_config
     capacity = int(config.num_gpu_blocks * config.block_size)
@@ -47,7 +48,8 @@ def worker(model: str, dtype: str, max_len: int, concurrency: int, batched_token
         from hfcompress.vllm_plugin.model import kv_layout
 
         model_config = llm.llm_engine.vllm_config.model_config
-        layout = kv_layout(hf_config, model, dtype=model_config.dtype, block_size=config.block_size)
+        layout = kv_layout(hf_config, model, dtype=model_config.dtype, block_size=config.block_size,
+                           kv_cache_dtype=config.cache_dtype)  # fmt: skip
         layout = {str(k): v for k, v in layout.items() if v != "plain"}
     text_ids = real_text_ids(llm.get_tokenizer())
     print(json.dumps({"ready": True, "kv_capacity_tokens": capacity, "kv_layout": layout}), flush=True)
@@ -90,6 +92,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="vLLM's kv_cache_dtype: auto (model dtype), fp8, fp8_e5m2")
     parser.add_argument("--kv-space", default="2", help="VLLM_CPU_KVCACHE_SPACE (GiB)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="chunked-prefill token budget per step")
     parser.add_argument("--out", default="benchmarks/results-vllm.md")
@@ -104,7 +107,7 @@ def main() -> None:
     for name, directory in models.items():  # started one after the other: their start-up is not timed
         procs[name] = subprocess.Popen(
             [sys.executable, __file__, WORKER, directory, args.dtype, str(max(lengths) + args.new_tokens + 16), str(args.concurrency),
-             str(args.max_num_batched_tokens)],
+             str(args.max_num_batched_tokens), args.kv_cache_dtype],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
         )  # fmt: skip
         info[name] = answer(procs[name])
@@ -143,7 +146,8 @@ def write_results(args, models: dict, info: dict, rates: dict, lengths: list[int
         "",
         f"    {command}",
         "",
-        f"vLLM {vllm.__version__}, dtype {args.dtype}, VLLM_CPU_KVCACHE_SPACE={args.kv_space} GiB, {args.concurrency} concurrent "
+        f"vLLM {vllm.__version__}, dtype {args.dtype}, KV cache dtype {args.kv_cache_dtype}, "
+        f"VLLM_CPU_KVCACHE_SPACE={args.kv_space} GiB, {args.concurrency} concurrent "
         f"sequences, {args.new_tokens} new tokens each, {args.repeats} interleaved repeats (medians), prefix caching off, "
         f"chunked prefill at {args.max_num_batched_tokens} tokens a step; "
         f"{os.cpu_count()} CPUs (shared with other work: absolute figures vary, ratios are of interleaved runs).",
@@ -175,6 +179,6 @@ def write_results(args, models: dict, info: dict, rates: dict, lengths: list[int
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == WORKER:
-        worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]))
+        worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), sys.argv[7])
     else:
         main()

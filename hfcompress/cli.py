@@ -318,6 +318,7 @@ def evaluate(
     lm_eval_limit: float = typer.Option(None, help="lm-eval documents per task (below 1: a fraction); for quick checks only."),
     json_out: Path = typer.Option(None, "--json", help="Also write the results as JSON."),
     engine: str = typer.Option("transformers", help="Perplexity of MODEL through transformers (the remote code) or vllm (served by vLLM with the hfcompress plugin, from .venv-vllm: scripts/install_vllm.sh)."),
+    kv_cache_dtype: str = typer.Option(None, help="With --engine vllm: vLLM's KV cache dtype (auto, fp8, fp8_e4m3, fp8_e5m2), passed to the engine as its kv_cache_dtype."),
 ) -> None:
     """Perplexity, factual recall, speed and lm-eval tasks of a converted model (and its baseline, same tokens, same run)."""
     import json
@@ -333,7 +334,7 @@ def evaluate(
         command = shlex.join(["hfcompress", *sys.argv[1:]])
         result = run_evaluate(
             model, baseline, eval_text, ood_text, context, stride, eval_tokens, speed, probe, trust_remote_code, harness, command,
-            engine=engine,
+            engine=engine, kv_cache_dtype=kv_cache_dtype,
         )
         if json_out:
             json_out.write_text(json.dumps(result, indent=2))

@@ -79,8 +79,11 @@ def evaluate(
     lm_eval: LmEvalOptions | None = None,
     command: str = "",
     engine: str = "transformers",
+    kv_cache_dtype: str | None = None,
 ) -> dict:
     models = {}
+    if kv_cache_dtype is not None and engine != "vllm":  # the transformers path has no such cache option
+        raise HfcompressError(f"--kv-cache-dtype {kv_cache_dtype} sets vLLM's KV cache: use it with --engine vllm.")
     check_model_argument(model_name, trust_remote_code)  # a missing or plain directory: before anything loads
     if engine not in ("transformers", "vllm"):
         raise HfcompressError(f"--engine must be transformers or vllm, got {engine!r}.")
@@ -113,8 +116,10 @@ def evaluate(
         if name == "model" and engine == "vllm":  # the served model's prompt log-probs (hfcompress.vllm_engine)
             from .vllm_engine import vllm_perplexities
 
-            served = vllm_perplexities(model_name, [ids, *([other[0]] if other else [])], context, stride, eval_tokens, prefix)
-            entry = {"engine": "vllm", "perplexity": served[0].to_dict()}
+            texts = [ids, *([other[0]] if other else [])]
+            kv = kv_cache_dtype or "auto"
+            served = vllm_perplexities(model_name, texts, context, stride, eval_tokens, prefix, kv_cache_dtype=kv)
+            entry = {"engine": "vllm", "kv_cache_dtype": kv, "perplexity": served[0].to_dict()}
             if other:
                 entry["other_domain_perplexity"] = served[1].to_dict()
         else:

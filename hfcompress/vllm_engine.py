@@ -54,13 +54,16 @@ def scored_windows(
 
 
 def vllm_perplexities(model_dir: str, texts: list[torch.Tensor], context: int, stride: int | None,
-                      max_tokens: int | None, prefix: list[int] | tuple, timeout: float = 3600) -> list[PerplexityResult]:  # fmt: skip
-    """Perplexity of the model served by vLLM on each of `texts` (one engine start for all)."""
+                      max_tokens: int | None, prefix: list[int] | tuple, timeout: float = 3600,
+                      kv_cache_dtype: str = "auto") -> list[PerplexityResult]:  # fmt: skip
+    """Perplexity of the model served by vLLM (its KV cache in `kv_cache_dtype`) on each of `texts` (one engine start
+    for all)."""
     python = vllm_python()
     plans = [scored_windows(ids, context, stride, max_tokens, prefix) for ids in texts]
     with tempfile.TemporaryDirectory() as tmp:
         request, result = Path(tmp) / "windows.json", Path(tmp) / "nll.json"
-        request.write_text(json.dumps({"windows": [w for plan in plans for w, _ in plan], "dtype": "float32"}))
+        windows = [w for plan in plans for w, _ in plan]
+        request.write_text(json.dumps({"windows": windows, "dtype": "float32", "kv_cache_dtype": kv_cache_dtype}))
         proc = subprocess.run(
             [python, "-m", "hfcompress.vllm_plugin.score", str(model_dir), str(request), str(result)],
             capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,

@@ -18,9 +18,12 @@ module: its cache is [blocks, KV, block_size, key width + d], keys first; the at
 its blocks gathered, the scores masked causally (and by the window), softmax, times V.
 
 The root's cache is the CPU backend's: per block and KV head the keys as [head size, block_size] (transposed), then
-the values. Its AMX layout (bf16 on CPUs with AMX) packs keys otherwise, and GPU backends have their own: there the
-model falls back to the concatenated-feature layouts (model.plan_layers); the layer also checks, on its first call,
-that the root's attention runs the ISA whose layout it reads.
+the values; the same with an fp8 KV cache (`kv_cache_dtype` fp8 / fp8_e4m3 / fp8_e5m2: bytes of e4m3fn / e5m2, the
+value divided by the layer's k / v scale). There a shared layer's own cache holds fp8 bytes too (quantized with its
+own layer's scales on write), and every part is dequantized (times its layer's scale) as it is read. Its AMX layout
+(bf16 on CPUs with AMX) packs keys otherwise, and GPU backends have their own: there the model falls back to the
+concatenated-feature layouts (model.plan_layers); the layer also checks, on its first call, that the root's attention
+runs the ISA whose layout it reads.
 """
 
 from __future__ import annotations
@@ -45,23 +48,43 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from .configs import UnservableModel
 
-# the CPU attention ISAs whose key layout `root_keys` reads (transposed within a block); "amx" packs keys otherwise
+# the CPU attention ISAs whose key layout `root_key_blocks` reads (transposed in a block); "amx" packs keys otherwise
 READABLE_ISAS = ("vec", "vec16")
 
+# vLLM's fp8 KV cache dtypes: the cache tensor is uint8, holding these formats (the CPU backend's "fp8" is e4m3)
+FP8_FORMATS = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
-def root_cache_readable(dtype: torch.dtype, block_size: int | None, head_size: int) -> bool:
-    """Whether a full layer's paged cache (vLLM's CPU attention backend at this dtype, block size and head size) is in
-    the layout `root_keys` reads: the CPU platform, and an ISA other than AMX."""
+
+def root_cache_readable(dtype: torch.dtype, block_size: int | None, head_size: int,
+                        kv_cache_dtype: str = "auto") -> bool:  # fmt: skip
+    """Whether a full layer's paged cache (vLLM's CPU attention backend at this dtype, block size, head size and KV
+    cache dtype) is in the layout `root_key_blocks` reads: the CPU platform, an ISA other than AMX, and a KV cache dtype
+    of the model's dtype or an fp8 format."""
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu():
+    if not current_platform.is_cpu() or kv_cache_dtype not in ("auto", *FP8_FORMATS):
         return False
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     try:
-        return _get_attn_isa(dtype, block_size or 128, head_size, "auto") in READABLE_ISAS
-    except Exception:  # noqa: BLE001 - an ISA this vLLM cannot pick: not readable
+        return _get_attn_isa(dtype, block_size or 128, head_size, kv_cache_dtype) in READABLE_ISAS
+    except Exception:  # noqa: BLE001 - an ISA this vLLM cannot pick (fp8 without AVX-512, head size): not readable
         return False
+
+
+def quantize(x: torch.Tensor, scale: float, fp8: torch.dtype) -> torch.Tensor:
+    """x / scale as fp8 bytes (uint8), saturated at the format's largest value as the CPU backend does (it rounds toward
+    zero; this rounds to nearest)."""
+    largest = torch.finfo(fp8).max
+    return (x.float() / scale).clamp(-largest, largest).to(fp8).view(torch.uint8)
+
+
+def dequantize(stored: torch.Tensor, scale: float, fp8: torch.dtype | None, dtype: torch.dtype) -> torch.Tensor:
+    """A cache slice read back in `dtype`: fp8 bytes times the layer's scale; unquantized ones as they are."""
+    if fp8 is None:
+        return stored
+    values = stored.view(fp8).to(dtype)
+    return values if scale == 1.0 else values * scale
 
 
 @dataclass
@@ -103,7 +126,7 @@ class LowRankImpl(AttentionImpl):
 
 class LowRankBackend(AttentionBackend):
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list] = ["auto"]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", *FP8_FORMATS]
     forward_includes_kv_cache_update: bool = True  # the op writes the current tokens' rows itself
 
     @staticmethod
@@ -173,6 +196,7 @@ class LowRankCacheAttention(Attention):
             self.register_buffer(f"part_slots_{n}", torch.tensor(slots), persistent=False)
             self.register_buffer(f"part_pick_{n}", torch.tensor(pick), persistent=False)
         self.checked = False
+        self.fp8 = FP8_FORMATS.get(self.kv_cache_dtype)  # None: the cache holds the model's dtype
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """query (t, H, width) features, key (t, KV, key_width) this layer's low-rank keys as cached, value (t, KV, d):
@@ -185,7 +209,8 @@ class LowRankCacheAttention(Attention):
 def root_key_blocks(cache: torch.Tensor, blocks: torch.Tensor, width: int) -> torch.Tensor:
     """The keys, transposed per block, (R, blocks, KV, width, block_size) a CPU-backend layer cached in `blocks` (R,
     blocks): its cache is [blocks, KV, block_size, 2 * head_size], per block and KV head the keys as [head_size,
-    block_size] (so already transposed), then the values. One copy (whole blocks, index_select: a memcpy), then views."""
+    block_size] (so already transposed), then the values; an fp8 cache the same in bytes (uint8: `dequantize` them). One
+    copy (whole blocks, index_select: a memcpy), then views."""
     num_blocks, kv, block, double = cache.shape
     requests, count = blocks.shape
     keys = cache.view(num_blocks, kv, 2, double // 2 * block)[:, :, 0]  # the key halves (a view)
@@ -205,21 +230,23 @@ ROWS = 128  # a prefill's query rows scored at once (bounds the score tensor: H 
 def attend(layer: "LowRankCacheAttention", sources: list, query: torch.Tensor, requests: list[int], lengths: list[int]) -> torch.Tensor:
     """Attention of the queries (R, H, Q, width) of `requests` (R of them with one query each, or one with Q) over their
     `lengths` keys: (R, Q, H, d). Per part of the key, its heads' keys per block (R, blocks, P, width, block), and the
-    query head -> part head map; the scores are the sum over parts."""
+    query head -> part head map; the scores are the sum over parts. `sources`: per part, (the vLLM attention layer whose
+    cache holds it, the metadata whose block table addresses that cache)."""
     longest = max(lengths)
     index = torch.tensor(requests, device=query.device)
     parts, own, offset = [], None, 0
     for n_part, (part, (source, source_meta)) in enumerate(zip(layer.parts, sources)):
-        blocks = source_meta.block_table.index_select(0, index)[:, : -(-longest // source.shape[2])]
+        cache, fp8 = source.kv_cache, FP8_FORMATS.get(source.kv_cache_dtype)
+        blocks = source_meta.block_table.index_select(0, index)[:, : -(-longest // cache.shape[2])]
         if part.kind == "root":
-            keys = root_key_blocks(source, blocks, part.width)
+            keys = dequantize(root_key_blocks(cache, blocks, part.width), source._k_scale_float, fp8, query.dtype)
         else:
-            stored = own_blocks(source, blocks)
+            stored = own_blocks(cache, blocks)
             if part.layer_name == layer.layer_name:
                 own = stored
             count, nb, kv, block = stored.shape[:4]
             per_cache_head = part.key_heads // kv
-            keys = stored[..., : per_cache_head * part.width]
+            keys = dequantize(stored[..., : per_cache_head * part.width], source._k_scale_float, fp8, query.dtype)
             if per_cache_head > 1:  # one low-rank key per query head: (R, blocks, key heads, block, r)
                 keys = keys.reshape(count, nb, kv, block, per_cache_head, part.width).transpose(3, 4)
                 keys = keys.reshape(count, nb, part.key_heads, block, part.width)
@@ -230,7 +257,8 @@ def attend(layer: "LowRankCacheAttention", sources: list, query: torch.Tensor, r
     count, nb, kv, block = own.shape[:4]
     group = heads // kv
     padded = nb * block
-    values = own[..., layer.key_width :]  # (R, blocks, KV, block, d): query head h reads V of KV head h // group
+    # (R, blocks, KV, block, d): query head h reads V of KV head h // group
+    values = dequantize(own[..., layer.key_width :], layer._v_scale_float, layer.fp8, query.dtype)
     lengths_t = torch.tensor(lengths, device=query.device).view(-1, 1, 1, 1)
     k_pos = torch.arange(longest, device=query.device).view(1, 1, 1, -1)
     out = []
@@ -277,7 +305,11 @@ def lisa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     slots = meta.slot_mapping[:n].long()
     block = cache.shape[2]
     valid = slots >= 0
-    rows = torch.cat([key[:n], value[:n]], dim=-1)
+    if layer.fp8 is None:
+        rows = torch.cat([key[:n], value[:n]], dim=-1)
+    else:  # scaled as the CPU backend scales the root's K and V
+        key_rows = quantize(key[:n], layer._k_scale_float, layer.fp8)
+        rows = torch.cat([key_rows, quantize(value[:n], layer._v_scale_float, layer.fp8)], dim=-1)
     if not bool(valid.all()):
         slots, rows = slots[valid], rows[valid]
     cache[slots // block, :, slots % block] = rows.to(cache.dtype)
@@ -295,10 +327,10 @@ def lisa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                     )
         layer.checked = True
 
-    sources = []  # per part: (cache, metadata whose block table addresses it)
+    sources = []  # per part: (the layer whose cache holds it, metadata whose block table addresses that cache)
     for part in layer.parts:
         source_meta = metadata[part.layer_name] if isinstance(metadata, dict) else metadata
-        sources.append((context.no_compile_layers[part.layer_name].kv_cache, source_meta))
+        sources.append((context.no_compile_layers[part.layer_name], source_meta))
     decodes = []  # one query token each: attended together; a prefill (chunk) alone
     for r, (start, stop) in enumerate(zip(meta.query_start[:-1], meta.query_start[1:])):
         stop = min(stop, n)

@@ -15,7 +15,8 @@ keys and its V in their own widths (SmolLM2: 3 x (20 + 64) = 252 values a token 
 cache vLLM allocates for it like any other, and reads the root's K (and a chain's earlier low-rank keys) where they lie,
 in the root's paged cache; its attention is the plugin's own (torch, over the gathered blocks). Whatever the head
 matching, the served model caches less than the original. This needs the root's cache in a layout the plugin reads:
-vLLM's CPU backend, not its AMX packing (bf16 on CPUs with AMX), not the GPU backends. There (or with
+vLLM's CPU backend (at the model's dtype or an fp8 KV cache), not its AMX packing (bf16 on CPUs with AMX), not the GPU
+backends. There (or with
 HFCOMPRESS_VLLM_KV=concat) the layouts below, over concatenated features, serve instead.
 
 Concatenated features. vLLM's attention backends take K and V of one head size (the CPU backend: from a fixed list), so
@@ -339,24 +340,26 @@ def describe(plans: list[LayerPlan]) -> dict[int, str]:
     return out
 
 
-def lowrank_layout(config, dtype: torch.dtype, block_size: int | None) -> bool:
+def lowrank_layout(config, dtype: torch.dtype, block_size: int | None, kv_cache_dtype: str = "auto") -> bool:
     """Whether the shared layers get the low-rank layout (their own keys and V; the root's K read from its cache):
-    wherever the full layers' cache layout is one lowrank.py reads (vLLM's CPU backend, not its AMX packing), unless
-    HFCOMPRESS_VLLM_KV=concat asks for the concatenated-feature layouts (grouped / own)."""
+    wherever the full layers' cache layout is one lowrank.py reads (vLLM's CPU backend, not its AMX packing; fp32/bf16
+    or fp8 at `kv_cache_dtype`), unless HFCOMPRESS_VLLM_KV=concat asks for the concatenated-feature layouts (grouped /
+    own)."""
     from .lowrank import root_cache_readable
 
     choice = os.environ.get("HFCOMPRESS_VLLM_KV", "lowrank")
     if choice not in ("lowrank", "concat"):
         raise UnservableModel(f"HFCOMPRESS_VLLM_KV={choice!r}: use lowrank (the default) or concat.")
-    return choice == "lowrank" and root_cache_readable(dtype, block_size, supported_head_size(head_dim(config)))
+    head_size = supported_head_size(head_dim(config))
+    return choice == "lowrank" and root_cache_readable(dtype, block_size, head_size, kv_cache_dtype)
 
 
 def kv_layout(config, model_dir: str, revision: str | None = None, dtype: torch.dtype = torch.float32,
-              block_size: int | None = None) -> dict[int, str]:  # fmt: skip
+              block_size: int | None = None, kv_cache_dtype: str = "auto") -> dict[int, str]:  # fmt: skip
     """The cache layout the plugin gives each layer of the converted model in `model_dir` (vLLM's hf_config), served at
-    `dtype` and `block_size`."""
+    `dtype`, `block_size` and `kv_cache_dtype`."""
     sources = read_sources(model_dir, revision, sorted(int(k) for k in config.lisa_layers))
-    return describe(plan_layers(config, sources, lowrank_layout(config, dtype, block_size)))
+    return describe(plan_layers(config, sources, lowrank_layout(config, dtype, block_size, kv_cache_dtype)))
 
 
 # ---------------------------------------------------------------------------------------------------------- modules
@@ -596,7 +599,8 @@ class LisaModel(nn.Module):
         self.family = FAMILIES[config.model_type]
         shared = sorted(int(k) for k in config.lisa_layers)
         sources = read_sources(vllm_config.model_config.model, vllm_config.model_config.revision, shared)
-        lowrank = lowrank_layout(config, vllm_config.model_config.dtype, vllm_config.cache_config.block_size)
+        cache = vllm_config.cache_config
+        lowrank = lowrank_layout(config, vllm_config.model_config.dtype, cache.block_size, cache.cache_dtype)
         self.plans = plan_layers(config, sources, lowrank)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens")
         self.layers = nn.ModuleList(

@@ -2,8 +2,8 @@
 
 Runs in the vLLM environment (.venv-vllm), called by `hfcompress eval` from the main one:
     python -m hfcompress.vllm_plugin.score MODEL_DIR WINDOWS.json OUT.json
-WINDOWS.json: {"windows": [[token ids], ...], "dtype": "float32"}; OUT.json: {"nll": [[-log p(token t | tokens < t)
-for t = 1..len-1], ...], "kv_capacity_tokens": N}. Each window is one prompt (max_tokens=1, prompt_logprobs=0: the
+WINDOWS.json: {"windows": [[token ids], ...], "dtype": "float32", "kv_cache_dtype": "auto"} (vLLM's kv_cache_dtype);
+OUT.json: {"nll": [[-log p(token t | tokens < t) for t = 1..len-1], ...], "kv_capacity_tokens": N}. Each window is one prompt (max_tokens=1, prompt_logprobs=0: the
 log-prob of each actual prompt token), all windows in one `generate` call, prefix caching off (every window scored
 from its own tokens, as the transformers path does).
 """
@@ -26,7 +26,7 @@ def main(model: str, windows_path: str, out_path: str) -> None:
     windows = request["windows"]
     llm = LLM(
         model=model, dtype=request.get("dtype", "float32"), max_model_len=max(len(w) for w in windows) + 1,
-        enable_prefix_caching=False, seed=0,
+        enable_prefix_caching=False, seed=0, kv_cache_dtype=request.get("kv_cache_dtype", "auto"),
     )  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=w) for w in windows], params, use_tqdm=False)

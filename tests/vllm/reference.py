@@ -9,7 +9,9 @@ trust_remote_code=True in this process, each prompt alone, with the remote code'
 Models (NAME): a tiny random checkpoint per family (tests/test_families.py's), converted in memory with the repo's own
 APIs (`converted_config`, the family's remote classes, `save_companion_files`): sparse-Align shared layers (a chain where
 the family allows one), FASC-factorised linears and a dropped-attention layer; "llama-own" has head matchings across KV
-groups (served with a shared layer's own cache in the concatenated-feature layouts); "smollm2" is the real
+groups (served with a shared layer's own cache in the concatenated-feature layouts); "llama-wide" is a Llama of head_dim
+32, which stock vLLM serves on CPU too: its original is written as well (OUT_DIR/llama-wide-original and its
+transformers reference, llama-wide-original.json), for the fp8 KV cache comparison; "smollm2" is the real
 SmolLM2-135M-Instruct with 8 shared layers (grouped head matching, chains of 2), down_proj of 4 layers factorised by a truncated SVD and one dropped attention.
 """
 
@@ -48,18 +50,21 @@ TINY = {
     "qwen2": ("qwen2", [1, 3], False, ["0.self_attn.k_proj"], []),
     "qwen3": ("qwen3", [1, 2], False, ["1.mlp.up_proj"], [3]),
     "gemma3": ("gemma3", [1, 3], False, ["3.mlp.down_proj"], []),
+    "llama-wide": ("llama-wide", [1, 2], False, ["1.mlp.down_proj"], [3]),
 }
 
 
 def tiny_original(case: str):
-    if case == "llama":
+    if case in ("llama", "llama-wide"):
         from transformers import LlamaConfig, LlamaForCausalLM
         from tiny_models import build_tiny_tokenizer
 
         tokenizer = build_tiny_tokenizer()
+        hidden = 128 if case == "llama-wide" else 64  # head_dim 32: a head size vLLM's CPU backend takes unpadded
         config = LlamaConfig(
-            vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+            vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+            pad_token_id=2,
         )  # fmt: skip
         torch.manual_seed(0)
         model = LlamaForCausalLM(config).eval()
@@ -141,8 +146,8 @@ def prompts_for(tokenizer, count: int, max_len: int, seed: int) -> list[list[int
 
 @torch.no_grad()
 def greedy_reference(out: Path, prompts: list[list[int]]) -> dict:
-    """The remote code's greedy continuation of each prompt (alone, its own cache) and the log-prob of each chosen
-    token, loaded from `out` as a user would."""
+    """The remote code's (or an original's: transformers') greedy continuation of each prompt (alone, its own cache) and
+    the log-prob of each chosen token, loaded from `out` as a user would."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
@@ -181,8 +186,12 @@ def build(name: str, root: Path) -> None:
         model = convert_in_memory(original, lisa, cross, fasc, dropped, seed=len(name))
         max_len = 120
     save(model, tokenizer, out)
-    reference = greedy_reference(out, prompts_for(tokenizer, PROMPTS, max_len, seed=7))
-    (root / f"{name}.json").write_text(json.dumps(reference))
+    prompts = prompts_for(tokenizer, PROMPTS, max_len, seed=7)
+    (root / f"{name}.json").write_text(json.dumps(greedy_reference(out, prompts)))
+    if name == "llama-wide":  # the original too, with its own reference on the same prompts
+        original.save_pretrained(root / f"{name}-original")
+        tokenizer.save_pretrained(root / f"{name}-original")
+        (root / f"{name}-original.json").write_text(json.dumps(greedy_reference(root / f"{name}-original", prompts)))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
 """Serve a converted model with vLLM (the hfcompress plugin) and compare with the remote code's reference
-(tests/vllm/reference.py). Runs in .venv-vllm: `python tests/vllm/serve_check.py MODEL_DIR REFERENCE.json RESULT.json`.
+(tests/vllm/reference.py). Runs in .venv-vllm: `python tests/vllm/serve_check.py [--kv-cache-dtype fp8] MODEL_DIR
+REFERENCE.json RESULT.json` (or `--capacity MODEL_DIR`).
 
-Engine: fp32, chunked prefill with a small token budget (long prompts are prefilled in several chunks), prefix caching,
-16 concurrent sequences. The prompts are served in two calls: the first 8, then all 32, so the second call's prompts that
-repeat a prompt or its prefix are prefix-cache hits (counted from vLLM's num_cached_tokens).
-Writes RESULT.json: tokens equal (count), max |delta logprob|, cached prompt tokens, KV layout, vLLM's KV capacity.
+Engine: fp32 (the KV cache too, unless --kv-cache-dtype, vLLM's option, says e.g. fp8), chunked prefill with a small
+token budget (long prompts are prefilled in several chunks), prefix caching, 16 concurrent sequences. The prompts are
+served in two calls: the first 8, then all 32, so the second call's prompts that repeat a prompt or its prefix are
+prefix-cache hits (counted from vLLM's num_cached_tokens).
+Writes RESULT.json: tokens equal (count), max and mean |delta logprob|, cached prompt tokens, KV layout, vLLM's KV
+capacity.
 """
 
 from __future__ import annotations
@@ -16,27 +19,28 @@ import sys
 from hfcompress.vllm_plugin import exit_cleanly
 
 
-def engine(model_dir: str, max_model_len: int, chunk: int = 64):
+def engine(model_dir: str, max_model_len: int, chunk: int = 64, kv_cache_dtype: str = "auto"):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
 
     return LLM(
         model=model_dir, dtype="float32", enforce_eager=True, enable_chunked_prefill=True, enable_prefix_caching=True,
         max_num_batched_tokens=chunk, max_num_seqs=16, block_size=32, max_model_len=max_model_len, seed=0,
+        kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip
 
 
-def main(model_dir: str, reference_path: str, result_path: str) -> None:
+def main(model_dir: str, reference_path: str, result_path: str, kv_cache_dtype: str = "auto") -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     reference = json.loads(open(reference_path).read())
     prompts, tokens, logprobs = reference["prompts"], reference["tokens"], reference["logprobs"]
-    llm = engine(model_dir, max(len(p) for p in prompts) + 16)
+    llm = engine(model_dir, max(len(p) for p in prompts) + 16, kv_cache_dtype=kv_cache_dtype)
     params = SamplingParams(temperature=0.0, max_tokens=len(tokens[0]), logprobs=1, ignore_eos=True)
     first = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:8]], params, use_tqdm=False)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    equal, max_delta, cached = 0, 0.0, 0
+    equal, max_delta, cached, deltas = 0, 0.0, 0, []
     mismatches = []
     for i, out in enumerate([*first, *outputs]):
         j = i if i < len(first) else i - len(first)
@@ -49,16 +53,19 @@ def main(model_dir: str, reference_path: str, result_path: str) -> None:
         for step, (token, want) in enumerate(zip(got, logprobs[j])):
             if token != tokens[j][step]:
                 break
-            max_delta = max(max_delta, abs(completion.logprobs[step][token].logprob - want))
+            deltas.append(abs(completion.logprobs[step][token].logprob - want))
+            max_delta = max(max_delta, deltas[-1])
         cached += out.num_cached_tokens or 0
     result = {
         "sequences": len(first) + len(outputs),
         "tokens_equal": equal,
         "max_abs_delta_logprob": max_delta,
+        "mean_abs_delta_logprob": sum(deltas) / max(len(deltas), 1),  # over the tokens compared (up to a mismatch)
         "cached_prompt_tokens": cached,
         "mismatches": mismatches[:3],
         "kv_capacity_tokens": kv_capacity(llm.llm_engine),
         "kv_layout": layout(llm.llm_engine, model_dir),
+        "kv_cache_dtype": kv_cache_dtype,
     }
     with open(result_path, "w") as handle:
         json.dump(result, handle)
@@ -81,14 +88,20 @@ def layout(llm_engine, model_dir: str) -> dict:
     config = vllm_config.model_config.hf_config
     if not hasattr(config, "lisa_layers"):
         return {}
-    layout = kv_layout(config, model_dir, dtype=vllm_config.model_config.dtype, block_size=vllm_config.cache_config.block_size)
+    cache = vllm_config.cache_config
+    layout = kv_layout(config, model_dir, dtype=vllm_config.model_config.dtype, block_size=cache.block_size,
+                       kv_cache_dtype=cache.cache_dtype)  # fmt: skip
     return {str(k): v for k, v in layout.items()}
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--capacity":  # the same engine, nothing served: {"kv_capacity_tokens": N} on the last line
-        llm = engine(sys.argv[2], 316)
+    args = sys.argv[1:]
+    kv_cache_dtype = "auto"
+    if args[0] == "--kv-cache-dtype":
+        kv_cache_dtype, args = args[1], args[2:]
+    if args[0] == "--capacity":  # the same engine, nothing served: {"kv_capacity_tokens": N} on the last line
+        llm = engine(args[1], 316, kv_cache_dtype=kv_cache_dtype)
         print(json.dumps({"kv_capacity_tokens": kv_capacity(llm.llm_engine)}), flush=True)
         exit_cleanly(llm)
     else:
-        main(*sys.argv[1:4])
+        main(*args[:3], kv_cache_dtype=kv_cache_dtype)

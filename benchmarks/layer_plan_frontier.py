@@ -33,7 +33,8 @@ RUNS = {
     "mixed-9": ["--layer-plan", "mixed", "--share-ratio", "0.3"],
     "drop-3": ["--layer-plan", "drop", "--share-ratio", "0.1"],
     "recipe-15": RECIPE_15,  # the README's 15-layer recipe
-    "recipe-15-back-off": [*RECIPE_15, "--back-off", "--max-ppl-increase", "10"],  # fewer layers until the gate passes
+    "share-6-back-off": ["--back-off", "--max-ppl-increase", "10"],  # the default, fewer layers until the gate passes
+    "recipe-15-back-off": [*RECIPE_15, "--back-off", "--max-ppl-increase", "10"],
     # the attempt --back-off makes after recipe-15's gate (numpy-docs +13.05%): floor(15 x 10 / 13.05) = 11 layers
     "recipe-15-backed-off-11": [*RECIPE_15[2:], "--share-ratio", str(11 / 30)],
     "share-6-wiki-news": WIKI_NEWS,

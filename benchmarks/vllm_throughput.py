@@ -47,10 +47,7 @@ def worker(model: str, dtype: str, max_len: int, concurrency: int, batched_token
     if hasattr(hf_config, "lisa_layers"):
         from hfcompress.vllm_plugin.model import kv_layout
 
-        model_config = llm.llm_engine.vllm_config.model_config
-        layout = kv_layout(hf_config, model, dtype=model_config.dtype, block_size=config.block_size,
-                           kv_cache_dtype=config.cache_dtype)  # fmt: skip
-        layout = {str(k): v for k, v in layout.items() if v != "plain"}
+        layout = {str(k): v for k, v in kv_layout(llm.llm_engine.vllm_config).items() if v != "plain"}
     text_ids = real_text_ids(llm.get_tokenizer())
     print(json.dumps({"ready": True, "kv_capacity_tokens": capacity, "kv_layout": layout}), flush=True)
     for line in sys.stdin:

@@ -354,12 +354,18 @@ def lowrank_layout(config, dtype: torch.dtype, block_size: int | None, kv_cache_
     return choice == "lowrank" and root_cache_readable(dtype, block_size, head_size, kv_cache_dtype)
 
 
-def kv_layout(config, model_dir: str, revision: str | None = None, dtype: torch.dtype = torch.float32,
-              block_size: int | None = None, kv_cache_dtype: str = "auto") -> dict[int, str]:  # fmt: skip
-    """The cache layout the plugin gives each layer of the converted model in `model_dir` (vLLM's hf_config), served at
-    `dtype`, `block_size` and `kv_cache_dtype`."""
-    sources = read_sources(model_dir, revision, sorted(int(k) for k in config.lisa_layers))
-    return describe(plan_layers(config, sources, lowrank_layout(config, dtype, block_size, kv_cache_dtype)))
+def served_plans(vllm_config: VllmConfig) -> list[LayerPlan]:
+    """Each layer's plan as the engine of `vllm_config` serves it: the shared layers' sources from the checkpoint, and
+    the cache layout its model dtype, block size and KV cache dtype allow."""
+    config, model, cache = vllm_config.model_config.hf_config, vllm_config.model_config, vllm_config.cache_config
+    sources = read_sources(model.model, model.revision, sorted(int(k) for k in config.lisa_layers))
+    return plan_layers(config, sources, lowrank_layout(config, model.dtype, cache.block_size, cache.cache_dtype))
+
+
+def kv_layout(vllm_config: VllmConfig) -> dict[int, str]:
+    """The cache layout the plugin gives each layer of the converted model the engine of `vllm_config` serves (its
+    processes other than the model's read it here: the model itself lives in the engine core)."""
+    return describe(served_plans(vllm_config))
 
 
 # ---------------------------------------------------------------------------------------------------------- modules
@@ -597,11 +603,7 @@ class LisaModel(nn.Module):
         config = vllm_config.model_config.hf_config
         self.config = config
         self.family = FAMILIES[config.model_type]
-        shared = sorted(int(k) for k in config.lisa_layers)
-        sources = read_sources(vllm_config.model_config.model, vllm_config.model_config.revision, shared)
-        cache = vllm_config.cache_config
-        lowrank = lowrank_layout(config, vllm_config.model_config.dtype, cache.block_size, cache.cache_dtype)
-        self.plans = plan_layers(config, sources, lowrank)
+        self.plans = served_plans(vllm_config)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens")
         self.layers = nn.ModuleList(
             [DecoderLayer(vllm_config, self.family, plan, f"{prefix}.layers.{plan.idx}") for plan in self.plans]

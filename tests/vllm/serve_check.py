@@ -66,7 +66,7 @@ def main(model_dir: str, reference_path: str, result_path: str, kv_cache_dtype: 
         "cached_prompt_tokens": cached,
         "mismatches": mismatches[:3],
         "kv_capacity_tokens": kv_capacity(llm.llm_engine),
-        "kv_layout": layout(llm.llm_engine, model_dir),
+        "kv_layout": layout(llm.llm_engine),
         "kv_cache_dtype": kv_cache_dtype,
         "dtype": dtype,
     }
@@ -84,17 +84,12 @@ def kv_capacity(engine) -> int | None:
         return None
 
 
-def layout(llm_engine, model_dir: str) -> dict:
+def layout(llm_engine) -> dict:
     from hfcompress.vllm_plugin.model import kv_layout
 
-    vllm_config = llm_engine.vllm_config
-    config = vllm_config.model_config.hf_config
-    if not hasattr(config, "lisa_layers"):
+    if not hasattr(llm_engine.vllm_config.model_config.hf_config, "lisa_layers"):
         return {}
-    cache = vllm_config.cache_config
-    layout = kv_layout(config, model_dir, dtype=vllm_config.model_config.dtype, block_size=cache.block_size,
-                       kv_cache_dtype=cache.cache_dtype)  # fmt: skip
-    return {str(k): v for k, v in layout.items()}
+    return {str(k): v for k, v in kv_layout(llm_engine.vllm_config).items()}
 
 
 if __name__ == "__main__":

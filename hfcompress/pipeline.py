@@ -6,9 +6,10 @@
     calibrate         streamed forward pass; backward pass when a method needs gradients        passes.calibrate
     plan              every method plans (a plan may be scored by streaming it)                  passes.plan
     convert           per layer every method applies its change; perplexities in the same pass passes.convert_layers
-    finish            distillation, probe, speed, peers: when the whole model fits               (here), wholemodel.py
-    report            the gate on every text, every method's section                             report.build_report
+    finish            distillation, when the whole model fits                                   (here), wholemodel.py
     back off          --back-off: a failed gate converts again with fewer changed layers        (here)
+    check             probe, peers, speed of the attempt kept: when the whole model fits        (here), wholemodel.py
+    report            the gate on every text, every method's section                             report.build_report
     write             shards, config, remote code, reload check, card: atomically               output.write_output
     push              when asked and the gate passed (or --force)                                (here)
 
@@ -32,7 +33,7 @@ import torch
 from .build import refuse_existing_output
 from .config import ConvertOptions
 from .errors import GATE_FAILED_EXIT, HfcompressError
-from .gate import refuse_non_finite
+from .gate import quality_gate, refuse_non_finite
 from .memory import return_freed_memory
 from .methods import Finisher, Method
 from .output import save_rest, write_output
@@ -62,28 +63,33 @@ def _convert(options: ConvertOptions, argv: list[str] | None) -> Report:
     token, out_dir = check_targets(options)
     tried: list[dict] = []
     while True:
-        run, methods, report, converted = attempt(options, token, argv, steps, out_dir)
-        fewer = fewer_changes(options, methods, report) if options.back_off and not report.validation.gate_passed else None
+        run, methods, whole, converted, results = attempt(options, token, argv, steps, out_dir)
+        gate_rows, gate_passed, gate_message = quality_gate(converted.perplexities, options.max_ppl_increase)
+        fewer = fewer_changes(options, methods, gate_rows) if options.back_off and not gate_passed else None
         if fewer is None:
             break
-        tried.append(attempt_record(methods, report))
+        tried.append(attempt_record(methods, gate_rows, gate_passed))
+        whole.release()
         shutil.rmtree(converted.work, ignore_errors=True)  # the failed attempt's layer files
         console.log(
-            f"back-off: the gate failed with {changes(methods)} changed layers ({report.validation.gate_message}); "
-            f"converting again with {fewer[1]}", highlight=False,
+            f"back-off: the gate failed with {changes(methods)} changed layers ({gate_message}); converting again with "
+            f"{fewer[1]}", highlight=False,
         )  # fmt: skip
         options = fewer[0]
+    if run.processes.is_main:  # probe, peers, speed: only for the attempt that is written
+        whole.check(run, converted.config, converted.layer_files, results)
+    report = build_report(run, methods, whole, results, converted.perplexities)
     if tried:
-        report.back_off = [*tried, attempt_record(methods, report)]
+        report.back_off = [*tried, attempt_record(methods, gate_rows, gate_passed)]
     if not run.processes.is_main:
         return report
     out_dir = write_output(run, report, converted, out_dir)
     return publish(run, report, out_dir, token)
 
 
-def attempt(options: ConvertOptions, token: str | None, argv: list[str] | None, steps: Steps,
-            out_dir: Path) -> tuple[Run, list[Method], Report, Converted]:  # fmt: skip
-    """One conversion with `options`, up to its report; nothing is written to --out yet."""
+def attempt(options: ConvertOptions, token: str | None, argv: list[str] | None, steps: Steps, out_dir: Path
+            ) -> tuple[Run, list[Method], WholeModelSteps, Converted, WholeModelResults]:  # fmt: skip
+    """One conversion with `options`, through its distillation: what the gate scores. Nothing is written to --out."""
     return_freed_memory()
     torch.manual_seed(options.seed)
     methods, finishers = build_methods(options)
@@ -96,7 +102,7 @@ def attempt(options: ConvertOptions, token: str | None, argv: list[str] | None, 
     converted = convert_layers(run, active)
     save_rest(run, converted)
     converted, results = finish(run, whole, converted)
-    return run, methods, build_report(run, methods, whole, results, converted.perplexities), converted
+    return run, methods, whole, converted, results
 
 
 def changes(methods: list[Method]) -> int:
@@ -104,12 +110,12 @@ def changes(methods: list[Method]) -> int:
     return sum(len(layers) for m in methods if m.active() for layers in m.changed_layers().values())
 
 
-def fewer_changes(options: ConvertOptions, methods: list[Method], report: Report) -> tuple[ConvertOptions, int] | None:
+def fewer_changes(options: ConvertOptions, methods: list[Method], gate_rows: list[dict]) -> tuple[ConvertOptions, int] | None:
     """--back-off's next attempt after a failed gate, and its count of changed layers: as many as the worst text's
     overshoot allows if every changed layer cost the same share of the increase, and at least one fewer. None when
     none would be left, or no method can lower its count."""
     changed = changes(methods)
-    worst = max(row["perplexity_increase_pct"] for row in report.validation.texts)
+    worst = max(row["perplexity_increase_pct"] for row in gate_rows)
     limit = options.max_ppl_increase
     count = min(changed - 1, math.floor(changed * limit / worst) if worst > 0 and limit > 0 else changed - 1)
     if count < 1:
@@ -119,12 +125,12 @@ def fewer_changes(options: ConvertOptions, methods: list[Method], report: Report
     return (fewer, count) if fewer is not None else None
 
 
-def attempt_record(methods: list[Method], report: Report) -> dict:
+def attempt_record(methods: list[Method], gate_rows: list[dict], gate_passed: bool) -> dict:
     """One attempt of --back-off, for the report and the card: the layers it changed and its gate."""
     changed = {kind: layers for m in methods if m.active() for kind, layers in m.changed_layers().items()}
     return {
-        "changed_layers": changed, "gate_passed": report.validation.gate_passed,
-        "texts": [{"eval_text": row["eval_text"], "perplexity_increase_pct": row["perplexity_increase_pct"]} for row in report.validation.texts],
+        "changed_layers": changed, "gate_passed": gate_passed,
+        "texts": [{"eval_text": row["eval_text"], "perplexity_increase_pct": row["perplexity_increase_pct"]} for row in gate_rows],
     }  # fmt: skip
 
 
@@ -148,11 +154,11 @@ def check_resources(run: Run, methods: list[Method], finishers: list[Finisher], 
 
 
 def finish(run: Run, whole: WholeModelSteps, converted: Converted) -> tuple[Converted, WholeModelResults]:
-    """The whole-model steps on the main process (wholemodel.py). A finisher that changed the weights hands on its
-    own layer files, and the result is scored again: its perplexities and reload logits replace the streamed ones."""
+    """The finishers (distillation, wholemodel.py) on the main process. A finisher that changed the weights hands on
+    its own layer files, and the result is scored again: its perplexities and reload logits replace the streamed ones."""
     if not run.processes.is_main:
         return converted, WholeModelResults(layers_dir=converted.work)
-    results = whole.run(run, converted.config, converted.work, converted.layer_files)
+    results = whole.finish(run, converted.config, converted.work, converted.layer_files)
     converted = replace(converted, layers_dir=results.layers_dir)
     if results.converted_perplexity:
         perplexities = {text: (converted.perplexities[text][0], ppl) for text, ppl in results.converted_perplexity.items()}

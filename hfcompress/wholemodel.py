@@ -55,6 +55,7 @@ class WholeModelSteps:
     model_bytes: int
     available: int
     skipped: dict[str, str]
+    original: nn.Module | None = None  # the source model while the whole-model steps run (_original)
 
     @classmethod
     def decide(cls, options, checkpoint: Checkpoint, finishers: list[Finisher], device: torch.device) -> "WholeModelSteps":
@@ -95,49 +96,66 @@ class WholeModelSteps:
         ran = [name for name, on in steps if on] + [f.name for f in self.finishers]
         return {"ran": ran, "skipped": self.skipped, "model_float32_mb": round(self.model_bytes / 2**20, 1)}
 
-    def run(self, run, config, work: Path, layer_files: list[str]) -> WholeModelResults:
-        """The chosen steps on the converted layer files in `work` (`config`: the converted model's). `run` is the
-        conversion's run.Run: its source, tokens, device and step log."""
+    def finish(self, run, config, work: Path, layer_files: list[str]) -> WholeModelResults:
+        """The finishers (distillation) on the converted layer files in `work` (`config`: the converted model's); what
+        the gate scores is then their result. `run` is the conversion's run.Run: its source, tokens, device, step log."""
         results = WholeModelResults(layers_dir=work)
-        if not (self.probe or self.speed or self.peers or self.finishers):
-            return results
-        checkpoint, source_config, tokenizer, streams = run.checkpoint, run.source_config, run.tokenizer, run.streams
-        data = DistillData(streams.calib_ids, streams.evaluations, run.options.eval_context, work, run.options.seed, streams.prefix)
-        probe_ids = streams.reload_prompt
-        _, causal_lm = family_of(source_config).transformers_classes()  # the teacher, in transformers' own classes
-        with run.step("whole model: load the original"):
-            original = assemble(source_config, checkpoint.load(list(checkpoint.files)), cls=causal_lm)
         if self.finishers:
+            original, streams = self._original(run), run.streams
             with run.step("whole model: distill"):
-                self._distill(run, original, config, work, layer_files, data, probe_ids, results)
+                data = DistillData(streams.calib_ids, streams.evaluations, run.options.eval_context, work, run.options.seed, streams.prefix)
+                self._distill(run, original, config, work, layer_files, data, results)
+        return results
+
+    def check(self, run, config, layer_files: list[str], results: WholeModelResults) -> None:
+        """The factual probe, the training-free peers and the speed comparison of the finished model (the layer files in
+        `results.layers_dir`), into `results`. Only for the attempt that is written: --back-off's failed attempts skip
+        them."""
+        if not (self.probe or self.speed or self.peers):
+            self.release()
+            return
+        original, streams = self._original(run), run.streams
         if self.probe:
             with run.step("validate: factual probe (original)"):
-                results.probe["original"] = _probe_record(run_probe(original.to(run.device), tokenizer))
+                results.probe["original"] = _probe_record(run_probe(original.to(run.device), run.tokenizer))
                 original.to("cpu")
         if self.peers:
             with run.step("validate: training-free peers"):
                 results.peers = compute_peers(
-                    original.to(run.device), config, run.sequences, data.evaluations, run.options.eval_context,
-                    run.options.eval_tokens, data.prefix,
+                    original.to(run.device), config, run.sequences, streams.evaluations, run.options.eval_context,
+                    run.options.eval_tokens, streams.prefix,
                 )  # fmt: skip
                 original.to("cpu")
         if self.speed:
             with run.step("validate: speed"):
                 view = converted_model(config, results.layers_dir, layer_files, share_with=original)
-                eval_ids = next(iter(data.evaluations.values()))
+                eval_ids = next(iter(streams.evaluations.values()))
                 peers = speed_peers(original, results.peers) if results.peers else None  # timed beside them
                 results.speed = measure_speed(original, view, eval_ids, gpu_dtype=run.saved_dtype, device=run.device, peers=peers)
                 results.speed["note"] = "the converted model shares the original's unchanged float32 tensors"
                 del view, peers
         del original
+        self.release()
         if self.probe:
             with run.step("validate: factual probe (converted)"):
                 converted = converted_model(config, results.layers_dir, layer_files).to(run.device)
-                results.probe["converted"] = _probe_record(run_probe(converted, tokenizer))
+                results.probe["converted"] = _probe_record(run_probe(converted, run.tokenizer))
                 del converted
-        return results
 
-    def _distill(self, run, original: nn.Module, config, work: Path, layer_files: list[str], data: DistillData, probe_ids, results) -> None:
+    def _original(self, run) -> nn.Module:
+        """The source model, whole, in transformers' own classes (the teacher, and what probe, peers and speed compare
+        against): loaded once, held from the distillation to the checks."""
+        if self.original is None:
+            _, causal_lm = family_of(run.source_config).transformers_classes()
+            with run.step("whole model: load the original"):
+                self.original = assemble(run.source_config, run.checkpoint.load(list(run.checkpoint.files)), cls=causal_lm)
+        return self.original
+
+    def release(self) -> None:
+        """Let the original model go (after the checks, or when --back-off discards the attempt)."""
+        self.original = None
+
+    def _distill(self, run, original: nn.Module, config, work: Path, layer_files: list[str], data: DistillData, results) -> None:
         """Train from the converted layer files; the result goes to its own directory (keyed by the finishers'
         settings), so a rerun starts from the same converted layers and resumes the training from its checkpoint."""
         options, device = run.options, run.device
@@ -165,7 +183,7 @@ class WholeModelSteps:
                 label=f"perplexity: distilled ({text.split(' (')[0]})", prefix=data.prefix,
             )
         with torch.no_grad():
-            results.expected_logits = student(probe_ids.to(device), use_cache=False).logits.float().cpu()
+            results.expected_logits = student(run.streams.reload_prompt.to(device), use_cache=False).logits.float().cpu()
         original.to("cpu")
         del student
 

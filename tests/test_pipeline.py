@@ -293,13 +293,15 @@ def test_back_off_converts_again_with_fewer_layers_until_the_gate_passes(tmp_pat
     card = (tmp_path / "out" / "README.md").read_text()
     assert "`--back-off` converted again with fewer" in card and "| 1 | 3 | 0 |" in card
 
-    # a limit no count reaches: every count down to one layer is tried, and the last is written marked failed
+    # a limit no count reaches: every count down to one layer is tried, and the last is written marked failed; the
+    # peers are computed for that one only, not for the attempts thrown away
     proc = subprocess.run(
         [sys.executable, "-m", "hfcompress.cli", "convert", str(tiny), "--out", str(tmp_path / "fails"), "--back-off",
-         *CLI_SETTINGS, "--fasc-budget", "1.0", "--share-ratio", "0.75", "--max-ppl-increase", "-50"],
+         *CLI_SETTINGS, "--fasc-budget", "1.0", "--share-ratio", "0.75", "--max-ppl-increase", "-50", "--peers"],
         capture_output=True, text=True, env=dict(os.environ, HFCOMPRESS_CACHE=str(cache)), timeout=900,
     )  # fmt: skip
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert "--back-off tried 3, 2, 1 changed layers and none passed" in " ".join(proc.stderr.split())
     failed = json.loads((tmp_path / "fails" / "hfcompress_report.json").read_text())
     assert [len(a["changed_layers"]["shared"]) for a in failed["back_off"]] == [3, 2, 1]
+    assert proc.stderr.count("validate: training-free peers") == 1 and failed["peers"]["kv_values_per_token"]

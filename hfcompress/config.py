@@ -162,10 +162,11 @@ class ConvertOptions(TextOptions, OutputOptions, DeviceOptions):
         False, "Accept a source that declares custom code (auto_map); its code is never run.", "--trust-remote-code"
     )
     max_ppl_increase: float = option(10.0, "Quality gate: largest allowed perplexity increase, in percent.")  # percent
-    # a failed gate converts again with fewer changed layers (pipeline.fewer_changes) instead of ending the run
-    back_off: bool = option(
-        False, "When the quality gate fails, convert again with fewer shared layers until it passes.",
-        "--back-off/--no-back-off",
+    # a failed gate converts again with fewer changed layers (pipeline.fewer_changes) instead of ending the run;
+    # None = wherever --share-ratio sets the count on one process (backs_off)
+    back_off: bool | None = option(
+        None, "When the quality gate fails, convert again with fewer shared layers until it passes (default: on where "
+        "--share-ratio sets their number).", "--back-off/--no-back-off",
     )  # fmt: skip
     cache_dir: Path = field(default_factory=default_cache_dir)
     seed: int = option(0, "Random seed (fitting and probes).")
@@ -214,22 +215,34 @@ class ConvertOptions(TextOptions, OutputOptions, DeviceOptions):
         self.check_back_off()
         return self
 
+    @property
+    def backs_off(self) -> bool:
+        """Whether a failed gate converts again with fewer changed layers: asked for, or by default wherever it can (the
+        count comes from --share-ratio, on one process)."""
+        if self.back_off is None:
+            return self._back_off_refusal() is None
+        return self.back_off
+
     def check_back_off(self) -> None:
-        """--back-off lowers the count --share-ratio asks for, on one process (the gate after distillation is the main
-        process's)."""
-        if not self.back_off:
-            return
+        """An explicit --back-off where it cannot lower a count is refused; the default then just stays off."""
+        if self.back_off and (refusal := self._back_off_refusal()):
+            raise HfcompressError(refusal)
+
+    def _back_off_refusal(self) -> str | None:
+        """Why --back-off cannot run with these options, or None: it lowers the count --share-ratio asks for, on one
+        process (the gate after distillation is the main process's)."""
         chosen_by = {"--lisa-layers": self.lisa.layers, "--lisa-ppl-budget": self.lisa.ppl_budget}
         for flag, value in chosen_by.items():
             if value is not None:
-                raise HfcompressError(
+                return (
                     f"--back-off lowers the number of layers --share-ratio changes, and {flag} chooses them instead: "
                     f"drop {flag} (use --share-ratio) or drop --back-off."
                 )
         if self.lisa.share_ratio == 0:
-            raise HfcompressError("--back-off removes shared layers when the gate fails, and --share-ratio 0 shares none: drop --back-off.")
+            return "--back-off removes shared layers when the gate fails, and --share-ratio 0 shares none: drop --back-off."
         if launched_processes() > 1:
-            raise HfcompressError("--back-off runs on one process: launch without accelerate/torchrun, or drop --back-off.")
+            return "--back-off runs on one process: launch without accelerate/torchrun, or drop --back-off."
+        return None
 
     def check_against_model(self, config) -> None:
         """Checks that need the source's config (layer count, attention types and shapes), each group's own; run before

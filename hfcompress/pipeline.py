@@ -7,7 +7,7 @@
     plan              every method plans (a plan may be scored by streaming it)                  passes.plan
     convert           per layer every method applies its change; perplexities in the same pass passes.convert_layers
     finish            distillation, when the whole model fits                                   (here), wholemodel.py
-    back off          --back-off: a failed gate converts again with fewer changed layers        (here)
+    back off          a failed gate converts again with fewer changed layers (--back-off)        (here)
     check             probe, peers, speed of the attempt kept: when the whole model fits        (here), wholemodel.py
     report            the gate on every text, every method's section                             report.build_report
     write             shards, config, remote code, reload check, card: atomically               output.write_output
@@ -65,7 +65,7 @@ def _convert(options: ConvertOptions, argv: list[str] | None) -> Report:
     while True:
         run, methods, whole, converted, results = attempt(options, token, argv, steps, out_dir)
         gate_rows, gate_passed, gate_message = quality_gate(converted.perplexities, options.max_ppl_increase)
-        fewer = fewer_changes(options, methods, gate_rows) if options.back_off and not gate_passed else None
+        fewer = fewer_changes(options, methods, gate_rows) if options.backs_off and not gate_passed else None
         if fewer is None:
             break
         tried.append(attempt_record(methods, gate_rows, gate_passed))

@@ -92,7 +92,7 @@ def test_gate_failure_writes_marked_output_and_never_pushes(tiny_llama_dir, hub_
     env = {**hub_env, "HFCOMPRESS_CACHE": str(tmp_path / "cache")}
     proc = subprocess.run(
         [sys.executable, "-m", "hfcompress.cli", "convert", str(tiny_llama_dir), "--out", str(out),
-         "--push-to", f"{HUB_USER}/never", "--max-ppl-increase", "-100", *FAST],
+         "--push-to", f"{HUB_USER}/never", "--max-ppl-increase", "-100", "--no-back-off", *FAST],
         env=env, capture_output=True, text=True,
     )
     assert proc.returncode == 3, proc.stderr[-2000:]

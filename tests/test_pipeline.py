@@ -258,7 +258,11 @@ def test_back_off_is_refused_where_it_has_no_count_to_lower(tiny, tmp_path):
     for lisa, flag in ((LisaOptions(layers=[1, 2]), "--lisa-layers"), (LisaOptions(ppl_budget=5.0), "--lisa-ppl-budget")):
         with pytest.raises(HfcompressError, match=f"--back-off .*{flag} chooses them instead"):
             pipeline.convert(ConvertOptions(source=str(tiny), out=tmp_path / "out", back_off=True, lisa=lisa), argv=[])
+        assert not ConvertOptions(source=str(tiny), out=tmp_path / "out", lisa=lisa).validate().backs_off  # the default: off
     assert not (tmp_path / "out").exists()
+    assert ConvertOptions(source=str(tiny), out=tmp_path / "out").backs_off  # on by default where --share-ratio counts
+    assert not ConvertOptions(source=str(tiny), out=tmp_path / "out", back_off=False).backs_off
+    assert not ConvertOptions(source=str(tiny), out=tmp_path / "out", lisa=LisaOptions(share_ratio=0)).validate().backs_off
 
 
 @pytest.mark.slow  # up to five tiny conversions (their calibration shared)

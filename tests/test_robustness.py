@@ -558,7 +558,7 @@ def test_forced_push_card_and_no_token_anywhere(warm, local_hub, tmp_path):
     local_hub.inject_fault("POST", f"/api/models/{repo}/commit/", "echo-auth:503")  # retried; logs it
     proc = subprocess.run(
         [sys.executable, "-m", "hfcompress.cli", "convert", str(tiny), "--out", str(out), "--push-to", repo,
-         "--max-ppl-increase", "-100", "--force", *FAST],
+         "--max-ppl-increase", "-100", "--force", "--no-back-off", *FAST],
         env=env, capture_output=True, text=True,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -208,6 +208,8 @@ def test_nothing_changed_and_distillation(report):
     card = render_card(distilled, REPO)
     assert "### Distillation" in card.text and "then distilled from the original" in card.text
     assert "distillation" in header(card)["tags"] and "192 tokens of calibration text" in card.text
+    scored = " / ".join(str(row["converted"]["tokens"]) for row in report["validation"]["texts"])
+    assert f"on the first\n512 tokens of each text (the gate above scores {scored})" in card.text
     distilled["finishers"]["distillation"]["data"] = "generated"
     assert "192 tokens of text the original model wrote itself" in render_card(distilled, REPO).text
 

@@ -290,7 +290,9 @@ def render_card(report: dict, repo_id: str) -> ModelCard:
     texts = validation.get("texts") or [validation]
     similarity = {row["layer"]: row for row in lisa["similarity"]}
     fasc_layers = [r for r in fasc["layers"] if r.get("rank") is not None]
-    calibration_dataset = report.get("calibration", {}).get("dataset")
+    calibration_dataset = report.get("calibration", {}).get("dataset")  # one Hub dataset split: the card links it
+    # every Hub dataset the calibration text read (a mixture's Hub domains too); reports before the list have the one
+    calibration_datasets = report.get("calibration", {}).get("datasets") or ([calibration_dataset] if calibration_dataset else [])
     lm_eval = report.get("lm_eval")
     eval_results = _perplexity_results(texts) + (_lm_eval_results(lm_eval) if lm_eval else [])
     base_model = source.get("base_model")
@@ -302,7 +304,7 @@ def render_card(report: dict, repo_id: str) -> ModelCard:
         license_name=licence.get("license_name"),
         license_link=licence.get("license_link"),
         language=licence.get("language") or None,
-        datasets=[calibration_dataset["id"]] if calibration_dataset else None,
+        datasets=list(dict.fromkeys(d["id"] for d in calibration_datasets)) or None,
         library_name="transformers",
         pipeline_tag="text-generation",
         tags=["hfcompress", *(["lisa"] if lisa["layers"] else []), *(["fasc"] if fasc_layers else []),

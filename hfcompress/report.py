@@ -19,7 +19,7 @@ from .gate import quality_gate
 from .methods import Method
 from .peers import log_verdict
 from .speed import hardware_description
-from .text import hub_dataset
+from .text import hub_dataset, hub_datasets
 from .validate import PerplexityResult
 from .wholemodel import WholeModelResults, WholeModelSteps
 
@@ -110,7 +110,7 @@ def build_report(
         hardware=hardware_description(run.device), device=str(run.device), processes=run.processes.count,
         calibration={"text": streams.calib_name, "sequences": len(sequences), "seq_len": int(sequences.shape[1]),
                      "tokens": int(sequences.numel()), "text_tokens": len(streams.calib_ids), "cache_dir": str(run.calib_dir),
-                     "dataset": hub_dataset(streams.calib_name)},
+                     "dataset": hub_dataset(streams.calib_name), "datasets": hub_datasets(streams.calib_name)},
         methods={m.name: m.report() for m in methods}, finishers=results.finished,
         validation=Validation(
             eval_text=main_row["eval_text"], original=main_row["original"], converted=main_row["converted"],

@@ -45,10 +45,10 @@
 import importlib.util
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -74,6 +74,12 @@ MIX_PREFIX = "mixture of "
 MIX_BLOCK_TOKENS = 512  # the mixture interleaves its domains in blocks of this many tokens (the default eval context)
 HELD_OUT_FRACTION = 0.25
 WIKITEXT_REPO, WIKITEXT_CONFIG = "Salesforce/wikitext", "wikitext-2-raw-v1"
+C4_REPO, C4_FILE, C4_SPLIT = "allenai/c4", "en/c4-validation.00000-of-00008.json.gz", "validation"
+# GPTQ's C4 perplexity (and its followers') scores the first 1,100 documents of this shard: the mixture starts after them
+C4_SKIPPED_DOCUMENTS = 1100
+# a Hub domain is read up to this many characters, about the largest offline domain (the Wikipedia excerpt): the mixture
+# is balanced only up to its smallest domain, and tokenising a whole C4 shard would take minutes
+HUB_DOMAIN_CHARS = 3_200_000
 PROBE_TIMEOUT_S = 3.0  # "auto" asks the Hub once with this timeout, so a machine without network falls back at once
 # wikitext-2 train is ~11 MB; calibration needs only its first tokens, and no tokenizer averages 16 characters a token
 CHARS_PER_TOKEN_BOUND = 16
@@ -90,9 +96,10 @@ class HubDataset:
     config: str | None
     split: str
     revision: str | None  # the commit loaded; None when read from the cache offline
+    data_files: str | None = None  # the one file of the repo read (C4's shard), where not a whole config
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {key: value for key, value in asdict(self).items() if key != "data_files" or value is not None}
 
 
 @dataclass(frozen=True)
@@ -115,6 +122,15 @@ def hub_dataset(name: str) -> dict | None:
     (the built-in text, the news corpus and files are not Hub datasets)."""
     dataset = _HUB_DATASETS.get(name)
     return dataset.to_dict() if dataset else None
+
+
+def hub_datasets(name: str) -> list[dict]:
+    """Every Hub dataset split a text of this report name read: its own (`hub_dataset`), or those of a mixture's Hub
+    domains (the card's `datasets:` lists them); [] for texts not from the Hub."""
+    own = hub_dataset(name)
+    if own is not None:
+        return [own]
+    return [_HUB_DATASETS[domain].to_dict() for domain in mixture_domain_names(name) if domain in _HUB_DATASETS]
 
 
 def builtin_text() -> str:
@@ -323,9 +339,10 @@ def short_name(name: str) -> str:
     return name.split(" (")[0]
 
 
-def mixture_text() -> Text:
-    """`mix`: every installed domain (`mixture_domains`) in equal shares (`mixture_split`)."""
-    domains = mixture_domains()
+def mixture_text(hub_domains: tuple[Text, ...] = ()) -> Text:
+    """`mix`: every installed domain (`mixture_domains`) in equal shares (`mixture_split`); the online mixture of
+    "auto" adds the Hub domains that loaded (`hub_domains`) after them."""
+    domains = mixture_domains() + list(hub_domains)
     if len(domains) == 1:
         console.log(
             "[yellow]calibration mixture: only the Python language reference is installed (gensim, which carries the "
@@ -410,9 +427,17 @@ def read_text_file(path: Path) -> str:
     return text
 
 
+class Probe(NamedTuple):
+    """What asking the Hub for a dataset's revision found."""
+
+    revision: str | None  # the commit the Hub names for the dataset's main branch
+    reason: str | None  # why the dataset cannot be loaded from the Hub now; None when it can
+    answered: bool  # the Hub answered (an HTTP error for this dataset still lets another one load)
+
+
 @lru_cache(maxsize=8)
-def _probe_dataset(endpoint: str, repo: str = WIKITEXT_REPO) -> tuple[str | None, str | None]:
-    """(commit sha of dataset `repo`, None) or (None, why it is unavailable): one request, bounded in time.
+def _probe_dataset(endpoint: str, repo: str = WIKITEXT_REPO) -> Probe:
+    """The revision of dataset `repo`, or why it is unavailable: one request, bounded in time (PROBE_TIMEOUT_S).
 
     Cached per endpoint and repo, so calibration and evaluation in one run ask once."""
     from huggingface_hub import HfApi
@@ -423,36 +448,44 @@ def _probe_dataset(endpoint: str, repo: str = WIKITEXT_REPO) -> tuple[str | None
     except Exception as err:  # DNS, refused, timeout, 401/404: every failure means the same here
         status = getattr(getattr(err, "response", None), "status_code", None)
         if status:
-            return None, f"{endpoint} answered HTTP {status} for {repo}"
-        return None, f"the Hub at {endpoint} is unreachable ({type(err).__name__})"
-    return info.sha, None
+            return Probe(None, f"{endpoint} answered HTTP {status} for {repo}", True)
+        return Probe(None, f"the Hub at {endpoint} is unreachable ({type(err).__name__})", False)
+    return Probe(info.sha, None, True)
 
 
-def _dataset_revision(repo: str = WIKITEXT_REPO) -> tuple[str | None, str | None]:
-    """(revision to load, None) or (None, why dataset `repo` cannot be loaded from the Hub now)."""
+def _dataset_revision(repo: str = WIKITEXT_REPO) -> Probe:
+    """The revision of dataset `repo` to load, or why it cannot be loaded from the Hub now."""
     from huggingface_hub import constants
 
     if constants.HF_HUB_OFFLINE:
-        return None, "HF_HUB_OFFLINE is set"
+        return Probe(None, "HF_HUB_OFFLINE is set", False)
     if importlib.util.find_spec("datasets") is None:
-        return None, "the datasets package is not installed"
+        return Probe(None, "the datasets package is not installed", False)
     return _probe_dataset(constants.ENDPOINT, repo)
 
 
-def _load_dataset(repo: str, config: str | None, split: str, revision: str | None) -> Text:
-    """The `text` column of a `datasets` dataset split, rows joined with blank lines, named with its revision."""
+def _load_rows(dataset: HubDataset):
+    """The `datasets` split `dataset` names (a `datasets.Dataset` with a `text` column)."""
     import datasets
 
-    described = f"{repo} ({config + ', ' if config else ''}{split} split)"
+    where = dataset.data_files or dataset.config
+    described = f"{dataset.id} ({where + ', ' if where else ''}{dataset.split} split)"
+    files = {"data_files": {dataset.split: dataset.data_files}} if dataset.data_files else {}
     try:
-        rows = datasets.load_dataset(repo, config, split=split, revision=revision)
+        rows = datasets.load_dataset(dataset.id, dataset.config, split=dataset.split, revision=dataset.revision, **files)
     except Exception as err:  # datasets raises many kinds (connection, missing cache, bad files): one sentence for all
         first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise HfcompressError(f"Cannot load {described}: {first_line}") from err
     if "text" not in rows.column_names:
         raise HfcompressError(f"{described} has no 'text' column (it has {', '.join(rows.column_names)}): choose a text dataset.")
-    at = f" @{revision[:8]}" if revision else ""
+    return rows
+
+
+def _load_dataset(repo: str, config: str | None, split: str, revision: str | None) -> Text:
+    """The `text` column of a `datasets` dataset split, rows joined with blank lines, named with its revision."""
     dataset = HubDataset(repo, config, split, revision)
+    rows = _load_rows(dataset)
+    at = f" @{revision[:8]}" if revision else ""
     text = Text(f"{repo}{' ' + config if config else ''}, {split} split{at}", "\n\n".join(rows["text"]), False, dataset)
     _HUB_DATASETS[text.name] = dataset
     return text
@@ -462,34 +495,105 @@ def _load_wikitext(split: str, revision: str | None) -> Text:
     return _load_dataset(WIKITEXT_REPO, WIKITEXT_CONFIG, split, revision)
 
 
+@dataclass(frozen=True)
+class HubDomain:
+    """A domain of the online mixture: a split of a Hub dataset."""
+
+    short: str  # its name in the mixture's name, followed there by the revision loaded
+    dataset: HubDataset  # revision None: the one the Hub names at load time
+    skip: int  # documents (rows) left out at its start
+    about: str  # what kind of text it is
+
+
+HUB_DOMAINS = (
+    HubDomain("wikitext-2", HubDataset(WIKITEXT_REPO, WIKITEXT_CONFIG, "train", None), 0, "Wikipedia's Good and Featured articles"),
+    HubDomain("c4", HubDataset(C4_REPO, None, C4_SPLIT, None, C4_FILE), C4_SKIPPED_DOCUMENTS, "English web pages, GPTQ's calibration corpus"),
+)
+
+
+def _hub_domain_text(domain: HubDomain, revision: str) -> Text:
+    """A Hub domain at `revision`: its documents after the first `domain.skip`, those mentioning NumPy dropped (a web
+    page may quote NumPy's docstrings, the held-out third domain), joined with blank lines up to HUB_DOMAIN_CHARS."""
+    dataset = replace(domain.dataset, revision=revision)
+    rows = _load_rows(dataset)
+    kept, size = [], 0
+    for start in range(domain.skip, len(rows), 1000):  # read in slices: a C4 shard holds ~45k documents
+        for row in rows[start : start + 1000]["text"]:
+            if size < HUB_DOMAIN_CHARS and "numpy" not in row.lower():
+                kept.append(row)
+                size += len(row) + 2
+        if size >= HUB_DOMAIN_CHARS:
+            break
+    where = f"{dataset.id} {dataset.data_files or dataset.config}, {dataset.split} split"
+    skipped = f", from document {domain.skip + 1:,}" if domain.skip else ""
+    at = f" @{revision[:8]}" if revision else ""
+    name = (f"{domain.short}{at} ({where}{skipped}, up to {HUB_DOMAIN_CHARS:,} characters, documents "
+            f"mentioning NumPy dropped; {domain.about})")
+    text = "\n\n".join(kept)
+    if len(text.split()) < 200:
+        after = f" after its first {domain.skip:,} documents" if domain.skip else ""
+        raise HfcompressError(f"Cannot use {where}: it has only {len(text.split())} words{after}, too few to calibrate on.")
+    _HUB_DATASETS[short_name(name)] = dataset  # what the report's calibration `datasets` list names
+    return Text(name, text, held_out=True, dataset=dataset)
+
+
+@lru_cache(maxsize=2)
+def _hub_domains(endpoint: str) -> tuple[Text, ...]:
+    """The online mixture's Hub domains that load from `endpoint`, each pinned to the revision its probe names (one
+    request each, bounded in time); one console line for each that does not, and the mixture goes on without it.
+    Cached per endpoint, so calibration and evaluation load them once."""
+    loaded = []
+    for domain in HUB_DOMAINS:
+        revision, reason, _ = _probe_dataset(endpoint, domain.dataset.id)
+        if reason is None:
+            try:
+                loaded.append(_hub_domain_text(domain, revision))
+                continue
+            except HfcompressError as err:
+                reason = str(err)
+        console.log(f"calibration mixture: {domain.short} left out ({reason})", highlight=False)
+    return tuple(loaded)
+
+
+def online_mixture() -> tuple[Text | None, str | None]:
+    """(the online mixture, None): the offline domains and every Hub domain that loads, when the Hub answers; else
+    (None, why not). An unreachable Hub costs one bounded request (the wikitext-2 probe) and no load."""
+    from huggingface_hub import constants
+
+    probe = _dataset_revision()
+    if not probe.answered:
+        return None, probe.reason
+    hub = _hub_domains(constants.ENDPOINT)
+    if not hub:
+        return None, "no Hub domain of the mixture loaded"
+    return mixture_text(hub), None
+
+
 def _load_named_dataset(spec: str, role: Role) -> Text:
     """`hf:REPO[:CONFIG]`: calibration reads its train split, evaluation its test split."""
     from huggingface_hub import constants
 
     repo, _, config = spec.removeprefix(DATASET_PREFIX).partition(":")
     option, split = _ROLES[role]
-    revision, reason = (None, None) if constants.HF_HUB_OFFLINE else _dataset_revision(repo)
+    revision, reason, _ = (None, None, False) if constants.HF_HUB_OFFLINE else _dataset_revision(repo)
     if reason is not None:
         raise HfcompressError(f"{option} {spec}: {reason}; check the network, or set HF_HUB_OFFLINE=1 to use a cached copy.")
     return _load_dataset(repo, config or None, split, revision)
 
 
 def load_text(spec: str, role: Role, fallback: Text | None = None) -> Text:
-    """The text `spec` names for `role`: a FILE path, "builtin", "wikitext-2" or "auto".
+    """The text `spec` names for `role`: a FILE path, a text name, `hf:...` or "auto".
 
-    "auto" is wikitext-2 when the Hub answers and the load works, else `fallback` (default: `offline_text()`), with
-    one console line saying which and why."""
+    "auto" is the online mixture when the Hub answers and a Hub domain loads (`fallback` itself when it is that same
+    mixture: calibration and evaluation then share one text), else `fallback` (default: `offline_text()`), with one
+    console line saying which and why."""
     option, split = _ROLES[role]
     if spec == AUTO:
-        revision, reason = _dataset_revision()
-        if reason is None:
-            try:
-                text = _load_wikitext(split, revision)
-            except HfcompressError as err:
-                reason = str(err)
-            else:
-                console.log(f"{role} text: {text.name} (auto: the Hub is reachable)")
-                return text
+        online, reason = online_mixture()
+        if online is not None:
+            text = fallback if fallback is not None and fallback.name == online.name else online
+            console.log(f"{role} text: {part_name(text, role)} (auto: the Hub is reachable)", highlight=False)
+            return text
         text = fallback or offline_text()
         console.log(f"{role} text: {part_name(text, role)} (auto: {reason})", highlight=False)
         return text
@@ -502,7 +606,7 @@ def load_text(spec: str, role: Role, fallback: Text | None = None) -> Text:
     if spec == WIKITEXT:
         from huggingface_hub import constants
 
-        revision, reason = (None, None) if constants.HF_HUB_OFFLINE else _dataset_revision()  # offline: the cached copy
+        revision, reason, _ = (None, None, False) if constants.HF_HUB_OFFLINE else _dataset_revision()  # offline: the cached copy
         if reason is not None:
             raise HfcompressError(
                 f"{option} {WIKITEXT}: {reason}; check the network, set HF_HUB_OFFLINE=1 to use a cached copy, "
@@ -545,6 +649,11 @@ def other_domain_ids(tokenizer, spec: str, calibration_name: str) -> tuple[torch
     selection, distillation) saw it."""
     if spec == NONE:
         return None
+    if spec == WIKITEXT and WIKITEXT in [domain.partition(" @")[0] for domain in mixture_domain_names(calibration_name)]:
+        raise HfcompressError(
+            f"--ood-text {WIKITEXT}: the calibration mixture has wikitext-2 (its train split) as a domain: choose a text "
+            f"of another domain, e.g. '{NUMPY_DOCS}' or a file."
+        )
     if spec in (AUTO, NUMPY_DOCS):
         text = numpy_docs_text()
     elif spec == NEWS:

@@ -2,15 +2,19 @@
 the offline Wikipedia text when offline or unreachable (no request offline, one bounded probe online, with a notice), and
 one-sentence errors for bad values."""
 
+import dataclasses
+import gzip
 import inspect
 import io
 import json
 import math
 import os
 import socket
+import re
 import subprocess
 import sys
 import threading
+from importlib.metadata import distributions
 from types import SimpleNamespace
 
 import pyarrow as pa
@@ -24,9 +28,10 @@ import hfcompress.text as text_module
 from hfcompress.cli import app
 from hfcompress.config import ConvertOptions
 from hfcompress.errors import HfcompressError
-from hfcompress.run import Run
 from hfcompress.text import (
     BUILTIN_TEXT_NAME,
+    C4_FILE,
+    C4_REPO,
     WIKI_TEXT_NAME,
     WIKITEXT_CONFIG,
     WIKITEXT_REPO,
@@ -83,11 +88,61 @@ def wikitext_hub(local_hub):
     yield local_hub, sha, train, test
 
 
+# The layout of the real allenai/c4 repo: one config per variant, json.gz shards named so.
+C4_README = """---
+configs:
+- config_name: en
+  default: true
+  data_files:
+  - split: train
+    path: en/c4-train.*-of-01024.json.gz
+  - split: validation
+    path: en/c4-validation.*-of-00008.json.gz
+---
+# c4 (test copy)
+"""
+
+
+def licence_paragraphs() -> list[str]:
+    """Real English prose the machine has: the paragraphs (20 words or more) of the licence files of the installed
+    distributions, unique, in a fixed order. Not web text: it stands in for C4's documents."""
+    paragraphs = set()
+    for dist in distributions():
+        for file in dist.files or []:
+            if ".dist-info" in str(file) and re.search(r"(LICEN[CS]E|COPYING)[^/]*$", file.name, re.I):
+                try:
+                    body = file.read_text() or ""
+                except (OSError, UnicodeDecodeError):
+                    continue
+                paragraphs.update(" ".join(p.split()) for p in body.split("\n\n") if len(p.split()) >= 20)
+    return sorted(paragraphs)
+
+
+@pytest.fixture
+def c4_hub(wikitext_hub):
+    """The local Hub with Salesforce/wikitext (`wikitext_hub`) and a small allenai/c4: its validation shard 0 as the
+    real repo names it, JSON lines with text, timestamp and url; the documents are licence paragraphs (real English,
+    `licence_paragraphs`), one of them quoting NumPy's documentation. Yields (hub, wikitext sha, c4 sha, documents)."""
+    hub, wikitext_sha, _, _ = wikitext_hub
+    documents = [p for p in licence_paragraphs() if "numpy" not in p.lower()][:400]
+    assert len(documents) == 400, "too few licence paragraphs installed for the C4 stand-in"
+    documents[250] = "From NumPy's documentation: " + text_module.numpy_docs_text().text[:2000]
+    lines = [json.dumps({"text": doc, "timestamp": "2019-04-20T00:00:00Z", "url": f"https://example.org/{i}"}) for i, doc in enumerate(documents)]
+    sha = hub.upload_files(
+        C4_REPO,
+        {"README.md": C4_README.encode(), C4_FILE: gzip.compress("\n".join(lines).encode() + b"\n", mtime=0)},
+        repo_type="dataset",
+    )
+    yield hub, wikitext_sha, sha, documents
+
+
 @pytest.fixture(autouse=True)
 def _fresh_probe():
     text_module._probe_dataset.cache_clear()  # each test's endpoint is asked afresh
+    text_module._hub_domains.cache_clear()
     yield
     text_module._probe_dataset.cache_clear()
+    text_module._hub_domains.cache_clear()
 
 
 @pytest.fixture
@@ -147,38 +202,190 @@ def test_any_hub_dataset_by_name(wikitext_hub, hub_env):
         check_text_option("hf:wikitext", "calibration")
 
 
-@pytest.mark.slow  # a full convert + eval of the tiny model in subprocesses: ~50 s on 2 cores
-def test_convert_and_eval_use_wikitext2_when_the_hub_answers(wikitext_hub, hub_env, tiny_llama_dir, tmp_path):
-    hub, sha, _, _ = wikitext_hub
-    env = {**hub_env, "HFCOMPRESS_CACHE": str(tmp_path / "cache")}
-    out = tmp_path / "out"
-    proc = cli(["convert", str(tiny_llama_dir), "--out", str(out), *FAST], env)
+# ------------------------------------------------------------------------------------------- the online mixture
+# Run first in every subprocess of the online-mixture tests: each domain cut to 40,000 characters (the offline ones to
+# their last, so no offline domain repeats the start of the wikitext-2 stand-in, which is the Python reference too) and
+# C4's skipped head to 200 documents, so the tiny tokenizer gets through six domains in seconds.
+SMALL_ONLINE_MIXTURE = """
+import dataclasses
+import hfcompress.text as text
+full = text.mixture_domains()
+text.mixture_domains = lambda: [text.Text(d.name, d.text[-40_000:], True) for d in full]
+text.HUB_DOMAIN_CHARS = 40_000
+text.HUB_DOMAINS = (text.HUB_DOMAINS[0], dataclasses.replace(text.HUB_DOMAINS[1], skip=200))
+"""
+OFFLINE_DOMAINS = ["enwiki-sample", "lee-news", "python-language-reference", "usenet-sample"]
+
+LOAD_ONLINE = SMALL_ONLINE_MIXTURE + """
+import json
+import sys
+from transformers import AutoTokenizer
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+calibration = text.load_text("auto", "calibration")
+evaluation = text.load_text("auto", "evaluation", fallback=calibration)
+streams = {seed: text.text_streams(tokenizer, "auto", "auto", 1, seed) for seed in (0, 1)}
+print(json.dumps({
+    "name": calibration.name, "same": evaluation is calibration,
+    "parts": [[d.name, d.text, d.dataset.to_dict() if d.dataset else None] for d in calibration.parts],
+    "datasets": text.hub_datasets(streams[0][1]),
+    "streams": {seed: [s[0].tolist(), s[1], s[2].tolist(), s[3]] for seed, s in streams.items()},
+}))
+"""
+
+
+def _assert_split_per_domain(tokenizer, text, split) -> None:
+    """Each domain's calibration blocks are its own first 75%, shuffled; its held-out last 25% is evaluated and in no
+    calibration step."""
+    from hfcompress.text import MIX_BLOCK_TOKENS, tokenize_split
+
+    blocks = lambda ids: [tuple(b.tolist()) for b in ids.split(MIX_BLOCK_TOKENS)]  # noqa: E731
+    for index, domain in enumerate(text.parts):
+        own = tokenize_split(tokenizer, domain.text, domain.name)
+        mine = split.calibration[split.owner == index]
+        whole = own.calibration[: len(own.calibration) // MIX_BLOCK_TOKENS * MIX_BLOCK_TOKENS]
+        assert len(mine) == len(whole) and sorted(blocks(mine)) == sorted(blocks(whole)) and len(blocks(mine)) >= 15
+        held = blocks(own.held_out[: len(own.held_out) // MIX_BLOCK_TOKENS * MIX_BLOCK_TOKENS])
+        assert held and set(held) <= set(blocks(split.held_out))  # its held-out part is evaluated ...
+        assert not set(held) & set(blocks(split.calibration))  # ... and in no calibration step
+    assert len(split.held_out) == sum(held // MIX_BLOCK_TOKENS * MIX_BLOCK_TOKENS for _, held in split.domains.values())
+
+
+@pytest.mark.skipif(wiki_file() is None, reason="gensim (three of the mixture's domains) is not installed")
+def test_auto_online_is_the_mixture_of_six_domains(c4_hub, hub_env, tiny_llama_dir):
+    """When the Hub answers, "auto" is the offline domains plus wikitext-2 (its train split) and C4 (validation shard
+    0 after GPTQ's evaluation documents), each pinned to the revision the Hub names, NumPy-free, split 75% / 25% on its
+    own and interleaved in equal shares (seeded); evaluation scores every domain's held-out part, the same for any seed;
+    the calibration datasets are listed for the card."""
+    from transformers import AutoTokenizer
+
+    from hfcompress.text import MIX_BLOCK_TOKENS, HubDataset, Text, mixture_split
+
+    hub, wikitext_sha, c4_sha, documents = c4_hub
+    proc = subprocess.run([sys.executable, "-c", LOAD_ONLINE, str(tiny_llama_dir)], env=hub_env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    train_name = f"{WIKITEXT_REPO} {WIKITEXT_CONFIG}, train split @{sha[:8]}"
-    test_name = f"{WIKITEXT_REPO} {WIKITEXT_CONFIG}, test split @{sha[:8]}"
-    assert f"calibration text: {train_name} (auto: the Hub is reachable)" in proc.stderr
-    assert f"evaluation text: {test_name} (auto: the Hub is reachable)" in proc.stderr
-    report = json.loads((out / "hfcompress_report.json").read_text())
-    assert report["calibration"]["text"] == train_name
-    assert report["validation"]["eval_text"] == test_name
-    assert test_name in (out / "README.md").read_text()
+    loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    names = [*OFFLINE_DOMAINS, f"wikitext-2 @{wikitext_sha[:8]}", f"c4 @{c4_sha[:8]}"]
+    assert [short_name(name) for name, _, _ in loaded["parts"]] == names
+    assert loaded["name"] == f"mixture of {', '.join(names)} (equal shares of {MIX_BLOCK_TOKENS}-token blocks)"
+    assert loaded["same"]  # evaluation reads the calibration mixture's held-out parts: one load, one tokenisation
+    wikitext_train = {"id": WIKITEXT_REPO, "config": WIKITEXT_CONFIG, "split": "train", "revision": wikitext_sha}
+    c4_validation = {"id": C4_REPO, "config": None, "split": "validation", "revision": c4_sha, "data_files": C4_FILE}
+    assert [dataset for _, _, dataset in loaded["parts"]] == [None] * 4 + [wikitext_train, c4_validation]
+    assert loaded["datasets"] == [wikitext_train, c4_validation]
+    assert hub.requests_matching(contains=f"/datasets/{C4_REPO}/resolve/{c4_sha}/{C4_FILE}")  # the revision probed
 
-    run = Run.open(ConvertOptions(
-        source=str(tiny_llama_dir), out=tmp_path / "unused", calib_text="builtin", eval_text="builtin", calib_sequences=4,
-        seq_len=64, cache_dir=tmp_path / "cache",
-    ), [])
-    assert (run.streams.calib_name, next(iter(run.streams.evaluations))) == (
-        f"{BUILTIN_TEXT_NAME}, first 75%", f"{BUILTIN_TEXT_NAME}, held-out last 25%"
+    wikitext, c4 = loaded["parts"][4][1], loaded["parts"][5][1]
+    kept = [doc for doc in documents[200:] if "NumPy" not in doc]
+    assert c4.startswith(kept[0] + "\n\n" + kept[1]) and 40_000 <= len(c4) < 40_000 + max(map(len, kept))
+    assert not any(doc in c4 for doc in documents[:200])  # GPTQ's C4 evaluation documents (here: the first 200)
+    assert "numpy" not in (wikitext + c4).lower()  # the planted NumPy quote is dropped
+    docs = text_module.numpy_docs_text().text
+    for _, body, _ in loaded["parts"]:  # the third domain is in no calibration domain
+        assert docs[1000:1200] not in body and docs[5000:5200] not in body
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    parts = tuple(Text(name, body, True, HubDataset(**dataset) if dataset else None) for name, body, dataset in loaded["parts"])
+    mixture = Text(loaded["name"], "", True, parts=parts)
+    split = mixture_split(tokenizer, mixture, seed=0)
+    _assert_split_per_domain(tokenizer, mixture, split)
+    shares = split.shares(split.balanced_tokens)
+    assert len(shares) == 6 and max(shares.values()) - min(shares.values()) <= MIX_BLOCK_TOKENS
+    (calib0, calib_name, eval0, eval_name), (calib1, _, eval1, _) = loaded["streams"]["0"], loaded["streams"]["1"]
+    assert calib0 == split.calibration[: split.balanced_tokens].tolist() and eval0 == split.held_out.tolist()
+    assert calib1 != calib0 and len(calib1) == len(calib0) and eval1 == eval0  # the seed draws blocks and order only
+    assert (calib_name, eval_name) == (f"{mixture.name}, first 75% of each", f"{mixture.name}, held-out last 25% of each")
+
+    assert other_domain_ids(tokenizer, "auto", calib_name)[1].startswith("numpy-docs (")  # the gate's third domain
+    with pytest.raises(HfcompressError, match="--ood-text wikitext-2: the calibration mixture has wikitext-2"):
+        other_domain_ids(tokenizer, "wikitext-2", calib_name)
+
+
+LOAD_ONLINE_NAMES = SMALL_ONLINE_MIXTURE + """
+import json
+calibration = text.load_text("auto", "calibration")
+evaluation = text.load_text("auto", "evaluation", fallback=calibration)
+print(json.dumps({"name": calibration.name, "same": evaluation is calibration}))
+"""
+
+
+@pytest.mark.skipif(wiki_file() is None, reason="gensim (three of the mixture's domains) is not installed")
+def test_a_hub_domain_that_fails_is_left_out_with_one_line(c4_hub, hub_env):
+    """C4's shard failing on the server (HTTP 404 for every download of it): one console line names it and why, and
+    the mixture goes on with the offline domains and wikitext-2; evaluation does not try again."""
+    hub, wikitext_sha, _, _ = c4_hub
+    hub.inject_fault("*", f"/datasets/{C4_REPO}/resolve/", *[404] * 50)
+    proc = subprocess.run([sys.executable, "-c", LOAD_ONLINE_NAMES], env={**hub_env, "COLUMNS": "400"}, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    names = [*OFFLINE_DOMAINS, f"wikitext-2 @{wikitext_sha[:8]}"]
+    assert loaded["name"] == f"mixture of {', '.join(names)} (equal shares of 512-token blocks)" and loaded["same"]
+    failures = [line for line in proc.stderr.splitlines() if "left out" in line]
+    assert len(failures) == 1, proc.stderr[-3000:]
+    assert f"calibration mixture: c4 left out (Cannot load {C4_REPO} ({C4_FILE}, validation split): " in failures[0]
+    assert f"evaluation text: {loaded['name']}, held-out last 25% of each (auto: the Hub is reachable)" in proc.stderr
+
+
+def test_auto_online_without_hub_datasets_is_the_offline_mixture(local_hub, monkeypatch, log, hub_traffic):
+    """A Hub that answers but has neither dataset (a mirror without them): one bounded probe each, one line each, no
+    load, and "auto" is the offline mixture, exactly as offline."""
+    _online(monkeypatch, local_hub.url)
+    _forbid_wikitext_load(monkeypatch)
+    calibration = load_text("auto", "calibration")
+    evaluation = load_text("auto", "evaluation", fallback=calibration)
+    timeout = text_module.PROBE_TIMEOUT_S
+    assert hub_traffic.probes == [(local_hub.url, WIKITEXT_REPO, timeout), (local_hub.url, C4_REPO, timeout)]
+    assert evaluation is calibration and calibration.name == text_module.offline_text().name
+    lines = log.getvalue().splitlines()
+    assert len(lines) == 4, lines
+    assert f"calibration mixture: wikitext-2 left out ({local_hub.url} answered HTTP 401 for {WIKITEXT_REPO})" in lines[0]
+    assert f"calibration mixture: c4 left out ({local_hub.url} answered HTTP 401 for {C4_REPO})" in lines[1]
+    assert f"calibration text: {calibration.name}, first 75% of each (auto: no Hub domain of the mixture loaded)" in lines[2]
+
+
+CLI_WITH_SMALL_ONLINE_MIXTURE = SMALL_ONLINE_MIXTURE + """
+from hfcompress.cli import main
+main()
+"""
+
+
+@pytest.mark.skipif(wiki_file() is None, reason="gensim (three of the mixture's domains) is not installed")
+@pytest.mark.slow  # a full convert + eval of the tiny model in subprocesses: ~60 s on 2 cores
+def test_convert_and_eval_use_the_online_mixture_when_the_hub_answers(c4_hub, hub_env, tiny_llama_dir, tmp_path):
+    """A conversion with the defaults, online: calibrated on the six-domain mixture, gated on its held-out parts and on
+    numpy-docs; the report and the card name the mixture and its Hub datasets (not in the model-index: the mixture's
+    held-out text is no Hub split); `eval` scores the same tokens."""
+    import yaml
+
+    hub, wikitext_sha, c4_sha, _ = c4_hub
+    env = {**hub_env, "HFCOMPRESS_CACHE": str(tmp_path / "cache"), "COLUMNS": "400"}
+    out = tmp_path / "out"
+    run_cli = lambda args: subprocess.run(  # noqa: E731
+        [sys.executable, "-c", CLI_WITH_SMALL_ONLINE_MIXTURE, *args], env=env, capture_output=True, text=True
     )
-    assert str(run.calib_dir) != report["calibration"]["cache_dir"]  # same model and settings, other text: other cache
+    proc = run_cli(["convert", str(tiny_llama_dir), "--out", str(out), *FAST])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = [*OFFLINE_DOMAINS, f"wikitext-2 @{wikitext_sha[:8]}", f"c4 @{c4_sha[:8]}"]
+    mixture = f"mixture of {', '.join(names)} (equal shares of 512-token blocks)"
+    assert f"calibration text: {mixture}, first 75% of each (auto: the Hub is reachable)" in proc.stderr
+    report = json.loads((out / "hfcompress_report.json").read_text())
+    assert report["calibration"]["text"] == f"{mixture}, first 75% of each"
+    assert report["calibration"]["dataset"] is None  # a mixture is no one Hub dataset split ...
+    assert [d["id"] for d in report["calibration"]["datasets"]] == [WIKITEXT_REPO, C4_REPO]  # ... it read two
+    assert [d["revision"] for d in report["calibration"]["datasets"]] == [wikitext_sha, c4_sha]
+    texts = report["validation"]["texts"]
+    assert [row["eval_text"] for row in texts][0] == f"{mixture}, held-out last 25% of each"
+    assert texts[1]["eval_text"].startswith("numpy-docs (") and all(row["dataset"] is None for row in texts)
+    card = (out / "README.md").read_text()
+    meta = yaml.safe_load(card.split("---")[1])
+    assert meta["datasets"] == [WIKITEXT_REPO, C4_REPO] and "model-index" not in meta
 
-    proc = cli(["eval", str(out), "--eval-tokens", "512", "--no-speed", "--no-probe", "--json", str(tmp_path / "e.json")], env)
+    proc = run_cli(["eval", str(out), "--eval-tokens", "512", "--no-speed", "--no-probe", "--json", str(tmp_path / "e.json")])
     assert proc.returncode == 0, proc.stderr[-3000:]
     measured = json.loads((tmp_path / "e.json").read_text())
-    assert measured["eval_text"] == test_name
+    assert measured["eval_text"] == f"{mixture}, held-out last 25% of each"
     assert measured["models"]["model"]["perplexity"]["perplexity"] == pytest.approx(
         report["validation"]["converted"]["perplexity"], rel=1e-4
-    )  # same test-split tokens as convert scored
+    )  # the same held-out tokens as convert scored
 
 
 def _timeouts(seconds: float) -> dict:
@@ -213,9 +420,10 @@ def hub_traffic(monkeypatch) -> SimpleNamespace:
 
 def _forbid_wikitext_load(monkeypatch) -> None:
     def load(*args):
-        raise AssertionError(f"wikitext-2 was loaded {args}: 'auto' must not try it here")
+        raise AssertionError(f"a Hub dataset was loaded {args}: 'auto' must not try it here")
 
     monkeypatch.setattr(text_module, "_load_wikitext", load)
+    monkeypatch.setattr(text_module, "_load_rows", load)
 
 
 def test_auto_is_the_offline_mixture_when_offline(log, hub_traffic, monkeypatch):
@@ -428,7 +636,7 @@ def test_mixture_splits_each_domain_and_calibrates_on_all_in_equal_shares(tiny_l
     every domain's last 25%, the same for any seed, and shares no block with calibration."""
     from transformers import AutoTokenizer
 
-    from hfcompress.text import MIX_BLOCK_TOKENS, mixture_split, text_streams, tokenize_split
+    from hfcompress.text import MIX_BLOCK_TOKENS, mixture_split, text_streams
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     names = [short_name(d.name) for d in small_mixture]
@@ -439,16 +647,7 @@ def test_mixture_splits_each_domain_and_calibrates_on_all_in_equal_shares(tiny_l
     text = load_text("mix", "calibration")
 
     split = mixture_split(tokenizer, text, seed=0)
-    blocks = lambda ids: [tuple(b.tolist()) for b in ids.split(MIX_BLOCK_TOKENS)]  # noqa: E731
-    for index, domain in enumerate(text.parts):  # each domain's calibration blocks are its first 75%, shuffled
-        own = tokenize_split(tokenizer, domain.text, domain.name)
-        mine = split.calibration[split.owner == index]
-        whole = own.calibration[: len(own.calibration) // MIX_BLOCK_TOKENS * MIX_BLOCK_TOKENS]
-        assert len(mine) == len(whole) and sorted(blocks(mine)) == sorted(blocks(whole)) and len(blocks(mine)) >= 15
-        held = blocks(own.held_out[: len(own.held_out) // MIX_BLOCK_TOKENS * MIX_BLOCK_TOKENS])
-        assert held and set(held) <= set(blocks(split.held_out))  # its held-out part is evaluated ...
-        assert not set(held) & set(blocks(split.calibration))  # ... and in no calibration step
-    assert len(split.held_out) == sum(held // MIX_BLOCK_TOKENS * MIX_BLOCK_TOKENS for _, held in split.domains.values())
+    _assert_split_per_domain(tokenizer, text, split)
     shares = split.shares(split.balanced_tokens)
     assert max(shares.values()) - min(shares.values()) <= MIX_BLOCK_TOKENS and len(shares) == 4
     assert split.balanced_tokens >= 4 * min(calib for calib, _ in split.domains.values()) - 4 * MIX_BLOCK_TOKENS

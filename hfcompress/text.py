@@ -20,14 +20,33 @@
   all come from every domain in equal shares; the held-out parts are interleaved the same way, in order and
   seed-independent, and are what evaluation scores. No held-out block is in any calibration step. gensim is a
   dependency, so a plain install has all four; without it the mixture is the Python language reference alone (said
-  on the console and in the name, which lists the domains).
+  on the console and in the name, which lists the domains). `mix` never asks the Hub, online or not: it is the same
+  text on every machine with the same install (the measured reference), and the way to keep a run off the network.
 * a FILE: UTF-8 text. As calibration text its first 75% is used; as evaluation text all of it.
 * `hf:OWNER/NAME[:CONFIG]`: the `text` column of any `datasets` dataset on the Hub (train split for calibration,
   test split for evaluation), pinned to the commit the Hub names at load time.
-* `auto` (the default): wikitext-2 when the Hub answers, else `mix` (offline); for evaluation: the held-out last 25%
-  of the calibration text (of each domain of the mixture). Calibration
-  never sees the text perplexity is measured on. What the calibration text costs on other text, measured: README,
-  "Calibration and evaluation text".
+* `auto` (the default): when the Hub answers, the online mixture: the domains of `mix` plus two Hub domains, built the
+  same way (equal shares, each domain split 75% / 25% on its own, the same interleave; evaluation scores the held-out
+  part of every domain):
+  - `wikitext-2`: the train split of Salesforce/wikitext wikitext-2-raw-v1 (Wikipedia's Good and Featured articles);
+    its test split, the standard perplexity text, stays out of the mixture, so `--eval-text wikitext-2` is clean.
+  - `c4`: English web pages, the text GPTQ calibrates on (allenai/c4), read as `datasets.load_dataset("allenai/c4",
+    data_files={"validation": "en/c4-validation.00000-of-00008.json.gz"}, split="validation")`. One validation shard
+    because it is the smallest file of C4's English text (about 40 MB; the train shards GPTQ samples from are several
+    times larger) and already the file GPTQ's code downloads for its C4 perplexity; the mixture starts after the
+    shard's first 1,100 documents, the ones that C4 perplexity (GPTQ's and its followers') scores, so a converted
+    model measured that way was not calibrated on them.
+  Each Hub domain is pinned to the revision the Hub names at load time (in the domain's name, so the mixture's name
+  in the report and the card says which; the calibration cache is keyed by the tokens themselves), read up to
+  HUB_DOMAIN_CHARS characters (about the Wikipedia excerpt, the largest offline domain: the mixture is balanced only
+  up to its smallest domain, so tokenising a whole C4 shard would be time spent on text no step reads), and its documents that mention NumPy are dropped (a web page may
+  quote NumPy's docstrings, the held-out third domain). Each is asked for with one probe bounded by PROBE_TIMEOUT_S;
+  a Hub domain that fails to load is left out with one console line naming it and why, and the mixture goes on with
+  the rest. When no Hub domain loads, or the Hub does not answer (an unreachable Hub costs one bounded request), or
+  HF_HUB_OFFLINE is set, `auto` is `mix`, exactly. For evaluation: the held-out last 25% of each domain of the same
+  mixture (offline: of the calibration text). Calibration never sees the text perplexity is measured on. What the
+  calibration text costs on other text, measured offline: README, "Calibration and evaluation text"; the online
+  mixture has not been measured on a real model (the machines it was built on have no Hub access).
 
 `--ood-text` names a second evaluation text of another domain than calibration, scored whole and gated like the first:
 * `numpy-docs` (what `auto` picks): technical documentation, the held-out third domain: the docstrings of NumPy's
@@ -39,7 +58,8 @@
   gensim is a dependency only for its data files (this one, the Wikipedia excerpt, the Usenet sample), which are
   read, never imported. Part of `mix`: as --ood-text, for a calibration text without it.
 * `usenet` (the Usenet posts of `mix`), a FILE, `builtin`, `wiki`, `wikitext-2` (its test split), or `none`. A text
-  that is (part of) the calibration text is refused.
+  that is (part of) the calibration text is refused, and so is `wikitext-2` when the online mixture calibrated on its
+  train split. numpy-docs is in no calibration domain, online or offline.
 """
 
 import importlib.util
@@ -78,7 +98,7 @@ C4_REPO, C4_FILE, C4_SPLIT = "allenai/c4", "en/c4-validation.00000-of-00008.json
 # GPTQ's C4 perplexity (and its followers') scores the first 1,100 documents of this shard: the mixture starts after them
 C4_SKIPPED_DOCUMENTS = 1100
 # a Hub domain is read up to this many characters, about the largest offline domain (the Wikipedia excerpt): the mixture
-# is balanced only up to its smallest domain, and tokenising a whole C4 shard would take minutes
+# is balanced only up to its smallest domain, so the rest of a C4 shard would be tokenised for nothing
 HUB_DOMAIN_CHARS = 3_200_000
 PROBE_TIMEOUT_S = 3.0  # "auto" asks the Hub once with this timeout, so a machine without network falls back at once
 # wikitext-2 train is ~11 MB; calibration needs only its first tokens, and no tokenizer averages 16 characters a token
@@ -737,7 +757,7 @@ def text_streams(
 ) -> tuple[torch.Tensor, str, torch.Tensor, str]:
     """(calibration ids (at least `calib_tokens` when the text has them), their name, evaluation ids, their name).
 
-    An "auto" evaluation text that cannot be wikitext-2 is the held-out part of the calibration text. A mixture's
+    An "auto" evaluation text is the held-out part of the online mixture, or without it of the calibration text. A mixture's
     calibration ids are its interleaved domains (`seed` draws the order) up to where the smallest domain's share is
     spent, or `calib_tokens` when that is more: distillation draws its windows from all of them, so its domains stay
     in equal shares too."""

@@ -32,8 +32,8 @@
     its test split, the standard perplexity text, stays out of the mixture, so `--eval-text wikitext-2` is clean.
   - `c4`: English web pages, the text GPTQ calibrates on (allenai/c4), read as `datasets.load_dataset("allenai/c4",
     data_files={"validation": "en/c4-validation.00000-of-00008.json.gz"}, split="validation")`. One validation shard
-    because it is the smallest file of C4's English text (about 40 MB; the train shards GPTQ samples from are several
-    times larger) and already the file GPTQ's code downloads for its C4 perplexity; the mixture starts after the
+    because it is small (about 40 MB; the train shards GPTQ samples from are several times larger) and already the
+    file GPTQ's code downloads for its C4 perplexity; the mixture starts after the
     shard's first 1,100 documents, the ones that C4 perplexity (GPTQ's and its followers') scores, so a converted
     model measured that way was not calibrated on them.
   Each Hub domain is pinned to the revision the Hub names at load time (in the domain's name, so the mixture's name

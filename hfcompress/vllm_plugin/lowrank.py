@@ -14,8 +14,11 @@ vLLM side: `LowRankCacheAttention` is a vLLM `Attention` (so vLLM sizes, allocat
 like any other: a `FullAttentionSpec` / `SlidingWindowSpec` with head_size = key width and head_size_v = d; the layers
 of one attention type share one block table, each with its own page size) whose backend (`LowRankBackend`) is this
 module: its cache is [blocks, KV, block_size, key width + d], keys first; the attention is the op
-`torch.ops.vllm.hfcompress_lisa_attention` (opaque to torch.compile), in torch: per request, the keys and values of
-its blocks gathered, the scores masked causally (and by the window), softmax, times V.
+`torch.ops.vllm.hfcompress_lisa_attention` (opaque to torch.compile). It runs a C++ kernel (lisa_attention.cpp, built
+at first use by `lisa_kernel`) that walks each request's block table and reads every part where it lies (no copies),
+with an online softmax; `attend` is the torch reference and the fallback (no compiler, a failed build, an unsupported
+layout, HFCOMPRESS_VLLM_ATTENTION=torch): per request, the keys and values of its blocks gathered, the scores masked
+causally (and by the window), softmax, times V.
 
 The root's cache is the CPU backend's: per block and KV head the keys as [head size, block_size] (transposed), then
 the values; the same with an fp8 KV cache (`kv_cache_dtype` fp8 / fp8_e4m3 / fp8_e5m2: bytes of e4m3fn / e5m2, the
@@ -28,7 +31,12 @@ runs the ISA whose layout it reads.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import logging
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -53,6 +61,10 @@ READABLE_ISAS = ("vec", "vec16")
 
 # vLLM's fp8 KV cache dtypes: the cache tensor is uint8, holding these formats (the CPU backend's "fp8" is e4m3)
 FP8_FORMATS = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+FP8_CODES = {None: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}  # the kernel's names for them
+
+KERNEL_SOURCE = Path(__file__).with_name("lisa_attention.cpp")
+logger = logging.getLogger("vllm.hfcompress")  # under vllm's logger: printed with the engine's messages
 
 
 def root_cache_readable(dtype: torch.dtype, block_size: int | None, head_size: int,
@@ -94,6 +106,8 @@ class LowRankMetadata:
     seq_lens: list[int]  # per request, its keys (cached + current)
     block_table: torch.Tensor  # (num_reqs, blocks)
     slot_mapping: torch.Tensor  # (tokens,)
+    query_start_t: torch.Tensor  # query_start and seq_lens as int64 tensors (the kernel's arguments)
+    seq_lens_t: torch.Tensor
 
 
 class LowRankMetadataBuilder(AttentionMetadataBuilder[LowRankMetadata]):
@@ -102,12 +116,16 @@ class LowRankMetadataBuilder(AttentionMetadataBuilder[LowRankMetadata]):
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False):
         meta = common_attn_metadata
+        query_start = meta.query_start_loc_cpu[: meta.num_reqs + 1].long()
+        seq_lens = meta.seq_lens[: meta.num_reqs].cpu().long()
         return LowRankMetadata(
             num_actual_tokens=meta.num_actual_tokens,
-            query_start=meta.query_start_loc_cpu[: meta.num_reqs + 1].tolist(),
-            seq_lens=meta.seq_lens[: meta.num_reqs].cpu().tolist(),
+            query_start=query_start.tolist(),
+            seq_lens=seq_lens.tolist(),
             block_table=meta.block_table_tensor[: meta.num_reqs],
             slot_mapping=meta.slot_mapping,
+            query_start_t=query_start.contiguous(),
+            seq_lens_t=seq_lens.contiguous(),
         )
 
 
@@ -195,8 +213,10 @@ class LowRankCacheAttention(Attention):
             slots, pick = head_groups(part.heads, part.key_heads if part.kind == "lowrank" else num_kv_heads)
             self.register_buffer(f"part_slots_{n}", torch.tensor(slots), persistent=False)
             self.register_buffer(f"part_pick_{n}", torch.tensor(pick), persistent=False)
+            self.register_buffer(f"part_heads_{n}", torch.tensor(part.heads, dtype=torch.long), persistent=False)
         self.checked = False
         self.fp8 = FP8_FORMATS.get(self.kv_cache_dtype)  # None: the cache holds the model's dtype
+        lisa_kernel()  # built (or loaded from torch's extension cache) while the engine starts, not at its first step
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """query (t, H, width) features, key (t, KV, key_width) this layer's low-rank keys as cached, value (t, KV, d):
@@ -289,6 +309,63 @@ def attend(layer: "LowRankCacheAttention", sources: list, query: torch.Tensor, r
     return out.transpose(1, 2)
 
 
+def cpu_tag() -> str:
+    """A short hash of this CPU's feature flags: the kernel is built with -march=native, and torch's extension cache
+    (keyed by sources and flags) may sit in a home directory shared by other CPUs."""
+    try:
+        flags = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = ""
+    return hashlib.sha1(flags.encode()).hexdigest()[:10]
+
+
+@functools.cache
+def lisa_kernel() -> bool:
+    """Whether the C++ kernel (`torch.ops.hfcompress.lisa_attention`) is loaded: built once per machine into torch's
+    extension directory (about a minute), loaded once per process. HFCOMPRESS_VLLM_ATTENTION=torch keeps the torch
+    path; a missing compiler or a failed build gives one warning and the torch path."""
+    choice = os.environ.get("HFCOMPRESS_VLLM_ATTENTION", "kernel")
+    if choice not in ("kernel", "torch"):
+        raise UnservableModel(f"HFCOMPRESS_VLLM_ATTENTION={choice!r}: use kernel (the default) or torch.")
+    if choice == "torch":
+        return False
+    try:
+        from torch.utils.cpp_extension import load
+
+        flags = ["-O3", "-march=native", "-fopenmp"]  # compiled on the machine that runs it: native is its own CPU
+        load(name=f"hfcompress_lisa_attention_{cpu_tag()}", sources=[str(KERNEL_SOURCE)], extra_cflags=flags,
+             extra_ldflags=["-fopenmp"], is_python_module=False)  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a failed build: serve with the torch path
+        logger.warning("hfcompress: the C++ LISA attention kernel is unavailable (%s); shared layers attend in torch "
+                       "(slower).", str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)  # fmt: skip
+        return False
+    return True
+
+
+def kernel_attention(layer: "LowRankCacheAttention", sources: list, query: torch.Tensor, output: torch.Tensor,
+                     meta: LowRankMetadata, n: int) -> bool:  # fmt: skip
+    """The attention of every request of the step by the C++ kernel, written into `output` (rows < n); False (nothing
+    done) where it does not apply: a query dtype other than fp32 / bf16 / fp16, caches of different block sizes or with
+    rows it cannot address."""
+    own = layer.kv_cache
+    caches = [source.kv_cache for source, _ in sources]
+    if query.dtype not in (torch.float32, torch.bfloat16, torch.float16) or any(
+        c.shape[2] != own.shape[2] or c.stride(3) != 1 or c.stride(2) != c.shape[3] for c in [*caches, own]
+    ):
+        return False
+    tables = [source_meta.block_table.to(torch.int32) for _, source_meta in sources]
+    torch.ops.hfcompress.lisa_attention(
+        query, output, meta.query_start_t, meta.seq_lens_t, n, layer.window or 0, caches, tables,
+        [int(part.kind == "root") for part in layer.parts], [getattr(layer, f"part_heads_{i}") for i in range(len(caches))],
+        [part.width for part in layer.parts],
+        [part.key_heads // cache.shape[1] if part.kind == "lowrank" else 1 for part, cache in zip(layer.parts, caches)],
+        [float(source._k_scale_float) for source, _ in sources],
+        [FP8_CODES[FP8_FORMATS.get(source.kv_cache_dtype)] for source, _ in sources],
+        own, meta.block_table.to(torch.int32), layer.key_width, float(layer._v_scale_float), FP8_CODES[layer.fp8],
+    )  # fmt: skip
+    return True
+
+
 def lisa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
     context = get_forward_context()
     metadata = context.attn_metadata
@@ -331,6 +408,13 @@ def lisa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     for part in layer.parts:
         source_meta = metadata[part.layer_name] if isinstance(metadata, dict) else metadata
         sources.append((context.no_compile_layers[part.layer_name], source_meta))
+    if not (lisa_kernel() and kernel_attention(layer, sources, query, output, meta, n)):
+        torch_attention(layer, sources, query, output, meta, n)
+
+
+def torch_attention(layer: "LowRankCacheAttention", sources: list, query: torch.Tensor, output: torch.Tensor,
+                    meta: LowRankMetadata, n: int) -> None:  # fmt: skip
+    """`kernel_attention` in torch (`attend`): the reference and the fallback."""
     decodes = []  # one query token each: attended together; a prefill (chunk) alone
     for r, (start, stop) in enumerate(zip(meta.query_start[:-1], meta.query_start[1:])):
         stop = min(stop, n)

@@ -1,0 +1,75 @@
+"""The attention of a LISA shared layer in vLLM (hfcompress/vllm_plugin/lowrank.py): the C++ kernel
+(lisa_attention.cpp, reading the paged caches in place) against the torch reference (`attend`: gathers, matmuls), one
+call on SmolLM2-135M's shapes (9 query heads of 64, 3 KV heads, low-rank keys per KV group at rank 20), interleaved,
+medians. Runs in .venv-vllm:
+
+    OMP_NUM_THREADS=1 .venv-vllm/bin/python benchmarks/vllm_lowrank_kernel.py [--seqs 16] [--context 528]
+        [--block 128] [--chain 1] [--prefill 0] [--dtype float32] [--kv-cache-dtype auto] [--repeats 31]
+
+A decode step of `--seqs` requests of `--context` keys each (their last token the query), or, with `--prefill N`, one
+request's chunk of N query rows (its last N keys of `--context`). `--chain 2`: the second shared layer of a chain (its
+key has three parts: the root's K, the first shared layer's low-rank keys, its own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm"))
+
+from lisa_problem import random_problem  # noqa: E402
+
+from hfcompress.vllm_plugin.lowrank import kernel_attention, lisa_kernel, torch_attention  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seqs", type=int, default=16)
+    parser.add_argument("--context", type=int, default=528)
+    parser.add_argument("--block", type=int, default=128, help="KV block size (vLLM's CPU default: 128)")
+    parser.add_argument("--chain", type=int, default=1, help="the shared layer's place in its chain (1 or 2)")
+    parser.add_argument("--prefill", type=int, default=0, help="query rows of one request's prefill chunk (0: decode)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--repeats", type=int, default=31)
+    args = parser.parse_args()
+    if not lisa_kernel():
+        sys.exit("the C++ kernel did not build (see the warning above)")
+    requests = [(args.context, args.prefill)] if args.prefill else [(args.context, 1)] * args.seqs
+    problem = random_problem(requests, chain=((3, 20),) * args.chain, block=args.block, dtype=getattr(torch, args.dtype),
+                             kv_cache_dtype=args.kv_cache_dtype, scales=(1.0,) * (args.chain + 2))  # fmt: skip
+    outputs = {"kernel": problem.output(), "torch": problem.output()}
+
+    def kernel() -> None:
+        kernel_attention(problem.layer, problem.sources, problem.query, outputs["kernel"], problem.meta, problem.n)
+
+    def reference() -> None:
+        torch_attention(problem.layer, problem.sources, problem.query, outputs["torch"], problem.meta, problem.n)
+
+    methods = {"kernel": kernel, "torch": reference}
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    for rep in range(args.repeats + 2):  # the first two rounds warm up
+        for name, run in methods.items():
+            start = time.perf_counter()
+            run()
+            if rep >= 2:
+                times[name].append(time.perf_counter() - start)
+    error = (outputs["kernel"].float() - outputs["torch"].float()).abs().max().item()
+    shape = f"prefill chunk of {args.prefill} rows" if args.prefill else f"decode, {args.seqs} sequences"
+    print(f"{shape}, {args.context} keys, block {args.block}, chain part {args.chain}, {args.dtype}, KV {args.kv_cache_dtype}, "
+          f"{torch.get_num_threads()} thread(s), median of {args.repeats}:")  # fmt: skip
+    base = statistics.median(times["torch"])
+    for name, values in times.items():
+        median = statistics.median(values)
+        print(f"  {name:6s} {median * 1e3:8.3f} ms  ({base / median:.1f}x the torch reference)")
+    print(f"  max |kernel - torch| {error:.2e}")
+
+
+if __name__ == "__main__":
+    main()

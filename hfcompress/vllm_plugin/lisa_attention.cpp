@@ -1,0 +1,530 @@
+// The attention of a LISA shared layer (lowrank layout) on CPU, reading vLLM's paged caches in place.
+// Reference and fallback: lowrank.attend (torch). Built at first use by lowrank.lisa_kernel (torch cpp_extension).
+//
+// Per (request, tile of query rows, query heads) it walks the request's block table: per block, the scores of its key
+// positions are the sum over the key parts (the root's K, transposed per block in the CPU backend's cache, and the
+// low-rank keys of the chain's shared layers, rows of their caches) of query part . key part, masked causally (and by
+// the window), then an online (flash-style) softmax and the values of this layer's own cache. Everything is computed
+// in fp32; caches may be fp32, bf16, fp16 or fp8 bytes (e4m3 / e5m2, times the layer's scale).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int LANES = 16;     // columns of a score tile (a 512-bit register of fp32)
+constexpr int ROW_TILE = 32;  // a prefill's query rows per work item
+constexpr int MICRO_ROWS = 8;  // rows of a micro-kernel call (its accumulators stay in registers)
+
+enum Format { F32 = 0, BF16 = 1, F16 = 2, E4M3 = 3, E5M2 = 4 };
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+const float* fp8_table(int format) {
+  static const std::vector<float> tables = [] {
+    std::vector<float> t(512);
+    for (int b = 0; b < 256; ++b) {
+      t[b] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(b), c10::Float8_e4m3fn::from_bits()));
+      t[256 + b] = static_cast<float>(c10::Float8_e5m2(static_cast<uint8_t>(b), c10::Float8_e5m2::from_bits()));
+    }
+    return t;
+  }();
+  return tables.data() + (format == E5M2 ? 256 : 0);
+}
+
+// Calls f(get) with get(index) -> float for the element type of `format` (the switch stays outside the loops).
+template <typename F>
+inline void with_reader(const void* data, int format, float scale, F&& f) {
+  switch (format) {
+    case F32: {
+      auto p = static_cast<const float*>(data);
+      f([p](int64_t k) { return p[k]; });
+      break;
+    }
+    case BF16: {
+      auto p = static_cast<const c10::BFloat16*>(data);
+      f([p](int64_t k) { return static_cast<float>(p[k]); });
+      break;
+    }
+    case F16: {
+      auto p = static_cast<const c10::Half*>(data);
+      f([p](int64_t k) { return static_cast<float>(p[k]); });
+      break;
+    }
+    default: {  // fp8 bytes, dequantized as the reference does: the format's value times the layer's scale
+      auto p = static_cast<const uint8_t*>(data);
+      const float* lut = fp8_table(format);
+      f([p, lut, scale](int64_t k) { return lut[p[k]] * scale; });
+    }
+  }
+}
+
+// fp32 vectors of LANES (gcc's vector extension: registers of the widest ISA -march=native gives, split where narrower)
+typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
+typedef float vec_unaligned __attribute__((vector_size(LANES * sizeof(float)), aligned(4)));
+typedef int32_t ivec __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+inline vec load(const float* p) { return *reinterpret_cast<const vec_unaligned*>(p); }
+inline void store(float* p, vec v) { *reinterpret_cast<vec_unaligned*>(p) = v; }
+
+// exp(x) for x <= 0 (a score minus its running maximum; -inf where hidden): 2^n * p(r), relative error ~1e-7; 0 below
+// -87 (where fp32 underflows anyway)
+inline vec exp_nonpositive(vec x) {
+  const ivec low = x < -87.0f;
+  x = low ? vec{} - 87.0f : x;
+  const vec magic = vec{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const vec n = (x * 1.44269504088896341f + magic) - magic;
+  const vec r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+  vec p = vec{} + 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
+  const vec result = p * reinterpret_cast<const vec&>(bits);
+  return low ? vec{} : result;
+}
+
+inline float sum_of(vec v) {
+  float s = 0.0f;
+  for (int l = 0; l < LANES; ++l) s += v[l];
+  return s;
+}
+
+inline float max_of(vec v) {
+  float m = v[0];
+  for (int l = 1; l < LANES; ++l) m = std::max(m, v[l]);
+  return m;
+}
+
+// S[r][0:cols] (+)= sum_i Q[r][i] * K[i][0:cols] for R rows given by pointers, cols a multiple of LANES: C vectors of
+// columns at a time, the R x C accumulators in registers
+template <int R, int C>
+inline void scores_tile(float* const* S, const float* const* Q, const float* K, int64_t ldk, int width, int64_t j,
+                        bool accumulate) {
+  vec acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = accumulate ? load(S[r] + j + c * LANES) : vec{};
+  for (int i = 0; i < width; ++i) {
+    vec k[C];
+    for (int c = 0; c < C; ++c) k[c] = load(K + i * ldk + j + c * LANES);
+    for (int r = 0; r < R; ++r) {
+      const float q = Q[r][i];
+      for (int c = 0; c < C; ++c) acc[r][c] += q * k[c];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) store(S[r] + j + c * LANES, acc[r][c]);
+}
+
+template <int R>
+struct Scores {
+  static void run(float* const* S, const float* const* Q, const float* K, int64_t ldk, int width, int64_t cols,
+                  bool accumulate) {
+    int64_t j = 0;
+    for (; j + 2 * LANES <= cols; j += 2 * LANES) scores_tile<R, 2>(S, Q, K, ldk, width, j, accumulate);
+    if (j < cols) scores_tile<R, 1>(S, Q, K, ldk, width, j, accumulate);
+  }
+};
+
+// O[r][j:j+C*LANES] += sum_{p0 <= p < p1} P[r][p] * V[p][j:...] for R rows given by pointers
+template <int R, int C>
+inline void values_tile(float* const* O, const float* const* P, const float* V, int64_t ldv, int64_t p0, int64_t p1,
+                        int64_t j) {
+  vec acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = load(O[r] + j + c * LANES);
+  for (int64_t p = p0; p < p1; ++p) {
+    vec v[C];
+    for (int c = 0; c < C; ++c) v[c] = load(V + p * ldv + j + c * LANES);
+    for (int r = 0; r < R; ++r) {
+      const float w = P[r][p];
+      for (int c = 0; c < C; ++c) acc[r][c] += w * v[c];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) store(O[r] + j + c * LANES, acc[r][c]);
+}
+
+template <int R>
+struct Values {
+  static void run(float* const* O, const float* const* P, const float* V, int64_t ldv, int64_t p0, int64_t p1, int d) {
+    int64_t j = 0;
+    for (; j + 2 * LANES <= d; j += 2 * LANES) values_tile<R, 2>(O, P, V, ldv, p0, p1, j);
+    if (j + LANES <= d) {
+      values_tile<R, 1>(O, P, V, ldv, p0, p1, j);
+      j += LANES;
+    }
+    for (; j < d; ++j)  // a head size not a multiple of LANES (tiny test models)
+      for (int r = 0; r < R; ++r) {
+        float a = O[r][j];
+        for (int64_t p = p0; p < p1; ++p) a += P[r][p] * V[p * ldv + j];
+        O[r][j] = a;
+      }
+  }
+};
+
+// Runs K<R>::run over the rows given by pointer arrays (the first two arguments), MICRO_ROWS at a time.
+template <template <int> class K, typename Out, typename In, typename... A>
+inline void over_rows(size_t rows, Out* const* out, const In* const* in, A... args) {
+  for (size_t r0 = 0; r0 < rows; r0 += MICRO_ROWS) {
+    Out* const* o = out + r0;
+    const In* const* i = in + r0;
+    switch (std::min<size_t>(rows - r0, MICRO_ROWS)) {
+      case 1: K<1>::run(o, i, args...); break;
+      case 2: K<2>::run(o, i, args...); break;
+      case 3: K<3>::run(o, i, args...); break;
+      case 4: K<4>::run(o, i, args...); break;
+      case 5: K<5>::run(o, i, args...); break;
+      case 6: K<6>::run(o, i, args...); break;
+      case 7: K<7>::run(o, i, args...); break;
+      default: K<8>::run(o, i, args...);
+    }
+  }
+}
+
+int format_of(const at::Tensor& cache, int64_t fp8) {
+  switch (cache.scalar_type()) {
+    case at::kFloat: return F32;
+    case at::kBFloat16: return BF16;
+    case at::kHalf: return F16;
+    case at::kByte:
+      TORCH_CHECK(fp8 == 1 || fp8 == 2, "hfcompress lisa_attention: a uint8 cache needs an fp8 format (1 e4m3, 2 e5m2)");
+      return fp8 == 1 ? E4M3 : E5M2;
+    default: TORCH_CHECK(false, "hfcompress lisa_attention: unsupported cache dtype ", cache.scalar_type());
+  }
+}
+
+// One part of the key: where its elements lie in a paged cache.
+struct Part {
+  const char* data;
+  int format;
+  int64_t block_stride, pos_stride, elem_stride;  // in elements
+  std::vector<int64_t> head_base;                 // per part head, its offset in a block (elements)
+  std::vector<std::vector<int>> readers;          // per part head, the query heads reading it
+  int width, q_offset;
+  float scale;
+  const int32_t* table;
+  int64_t table_stride;
+  bool direct;  // fp32 keys transposed per block: read in place
+};
+
+struct Context {
+  const char* query;
+  char* output;
+  int io_format;
+  int64_t heads, width, d, block, ld, group, window, num_tokens;
+  const int64_t* query_start;
+  const int64_t* seq_lens;
+  std::vector<Part> parts;
+  // this layer's own cache: V per position at value_offset
+  const char* v_data;
+  int v_format;
+  int64_t v_block_stride, v_head_stride, v_pos_stride, v_offset;
+  float v_scale;
+  const int32_t* v_table;
+  int64_t v_table_stride;
+};
+
+struct Scratch {
+  std::vector<float> q, o, m, l, s, keys, values;
+  std::vector<float*> s_rows, o_rows;             // per part head's readers (then per KV head's), their rows
+  std::vector<const float*> q_rows, p_rows;
+  std::vector<size_t> part_rows;                  // per (part, part head): where its rows start in s_rows / q_rows
+};
+
+float load_io(const char* base, int format, int64_t k) {
+  switch (format) {
+    case F32: return reinterpret_cast<const float*>(base)[k];
+    case BF16: return static_cast<float>(reinterpret_cast<const c10::BFloat16*>(base)[k]);
+    default: return static_cast<float>(reinterpret_cast<const c10::Half*>(base)[k]);
+  }
+}
+
+void store_io(char* base, int format, int64_t k, float v) {
+  switch (format) {
+    case F32: reinterpret_cast<float*>(base)[k] = v; break;
+    case BF16: reinterpret_cast<c10::BFloat16*>(base)[k] = c10::BFloat16(v); break;
+    default: reinterpret_cast<c10::Half*>(base)[k] = c10::Half(v);
+  }
+}
+
+// The keys of part head `ph` in block `blk`, positions [0, n): a float matrix [width][ld] (zero past n), or, for fp32
+// keys already transposed in the cache, a pointer into it.
+const float* key_tile(const Context& c, const Part& part, int64_t blk, int ph, int64_t n, float* scratch, int64_t& ldk) {
+  const int64_t base = blk * part.block_stride + part.head_base[ph];
+  if (part.direct) {
+    ldk = part.elem_stride;
+    return reinterpret_cast<const float*>(part.data) + base;
+  }
+  ldk = c.ld;
+  const int64_t cols = round_up(n, LANES);
+  with_reader(part.data, part.format, part.scale, [&](auto get) {
+    for (int64_t p = 0; p < n; ++p)
+      for (int i = 0; i < part.width; ++i) scratch[i * c.ld + p] = get(base + p * part.pos_stride + i * part.elem_stride);
+    for (int i = 0; i < part.width; ++i)
+      for (int64_t p = n; p < cols; ++p) scratch[i * c.ld + p] = 0.0f;
+  });
+  return scratch;
+}
+
+// V of KV head `kv` in block `blk`, positions [p0, n): a float matrix [position][d] (a pointer into an fp32 cache)
+const float* value_tile(const Context& c, int64_t blk, int64_t kv, int64_t p0, int64_t n, float* scratch, int64_t& ldv) {
+  const int64_t base = blk * c.v_block_stride + kv * c.v_head_stride + c.v_offset;
+  if (c.v_format == F32) {
+    ldv = c.v_pos_stride;
+    return reinterpret_cast<const float*>(c.v_data) + base;
+  }
+  ldv = c.d;
+  with_reader(c.v_data, c.v_format, c.v_scale, [&](auto get) {
+    for (int64_t p = p0; p < n; ++p)
+      for (int64_t x = 0; x < c.d; ++x) scratch[p * c.d + x] = get(base + p * c.v_pos_stride + x);
+  });
+  return scratch;
+}
+
+void attend_item(const Context& c, int64_t req, int64_t row0, int64_t rows, Scratch& s) {
+  const int64_t H = c.heads, W = c.width, d = c.d, bs = c.block, ld = c.ld;
+  const int64_t first = c.query_start[req];
+  const int64_t count = std::min(c.query_start[req + 1], c.num_tokens) - first;
+  const int64_t pos0 = c.seq_lens[req] - count + row0;  // key position of the first row
+  const int64_t hi = pos0 + rows - 1;
+  const int64_t lo = c.window > 0 ? std::max<int64_t>(0, pos0 - c.window + 1) : 0;
+  constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+  s.q.resize(H * rows * W);  // [head][row][feature]
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < W; ++i) s.q[(h * rows + r) * W + i] = load_io(c.query, c.io_format, ((first + row0 + r) * H + h) * W + i);
+  s.o.assign(H * rows * d, 0.0f);
+  s.m.assign(H * rows, NEG_INF);
+  s.l.assign(H * rows, 0.0f);
+  s.s.resize(H * rows * ld);
+  int max_width = 0;
+  for (const Part& part : c.parts) max_width = std::max(max_width, part.width);
+  s.keys.resize(max_width * ld);
+  s.values.resize(bs * d);
+  // the rows each part head's keys meet (all its readers' rows: GQA reads a key tile once for them all), and the rows
+  // each KV head's values meet
+  s.s_rows.clear();
+  s.q_rows.clear();
+  s.part_rows.clear();
+  for (const Part& part : c.parts)
+    for (const std::vector<int>& readers : part.readers) {
+      s.part_rows.push_back(s.s_rows.size());
+      for (int h : readers)
+        for (int64_t r = 0; r < rows; ++r) {
+          s.s_rows.push_back(s.s.data() + (h * rows + r) * ld);
+          s.q_rows.push_back(s.q.data() + (h * rows + r) * W + part.q_offset);
+        }
+    }
+  s.part_rows.push_back(s.s_rows.size());
+  s.o_rows.clear();
+  s.p_rows.clear();
+  for (int64_t h = 0; h < H; ++h)  // heads in order: KV head kv's are rows [kv * group * rows, (kv + 1) * group * rows)
+    for (int64_t r = 0; r < rows; ++r) {
+      s.o_rows.push_back(s.o.data() + (h * rows + r) * d);
+      s.p_rows.push_back(s.s.data() + (h * rows + r) * ld);
+    }
+
+  for (int64_t b = lo / bs; b <= hi / bs; ++b) {
+    const int64_t k0 = b * bs;
+    const int64_t n = std::min(bs, hi + 1 - k0);  // positions of this block any row may see
+    const int64_t jlo = std::max<int64_t>(lo - k0, 0);
+    const int64_t cols = round_up(n, LANES);
+    size_t slot = 0;
+    for (size_t pi = 0; pi < c.parts.size(); ++pi) {
+      const Part& part = c.parts[pi];
+      const int64_t blk = part.table[req * part.table_stride + b];
+      for (size_t ph = 0; ph < part.readers.size(); ++ph, ++slot) {
+        const size_t begin = s.part_rows[slot], end = s.part_rows[slot + 1];
+        if (begin == end) continue;
+        int64_t ldk;
+        const float* keys = key_tile(c, part, blk, static_cast<int>(ph), n, s.keys.data(), ldk);
+        over_rows<Scores>(end - begin, s.s_rows.data() + begin, s.q_rows.data() + begin, keys, ldk, part.width, cols,
+                          pi > 0);
+      }
+    }
+    // masked online softmax: S becomes the block's probabilities (0 where hidden) relative to the running maximum
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t r = 0; r < rows; ++r) {
+        float* row = s.s.data() + (h * rows + r) * ld;
+        const int64_t pos = pos0 + r;
+        const int64_t a = c.window > 0 ? std::max<int64_t>(jlo, pos - c.window + 1 - k0) : jlo;
+        const int64_t z = std::min<int64_t>(n - 1, pos - k0);
+        if (a > z) {
+          std::fill(row, row + cols, 0.0f);
+          continue;
+        }
+        std::fill(row, row + a, NEG_INF);
+        std::fill(row + z + 1, row + cols, NEG_INF);
+        vec top = vec{} + NEG_INF;
+        for (int64_t j = 0; j < cols; j += LANES) {
+          const vec v = load(row + j);
+          top = v > top ? v : top;
+        }
+        const int64_t k = h * rows + r;
+        const float m = std::max(s.m[k], max_of(top));
+        vec sum{};
+        for (int64_t j = 0; j < cols; j += LANES) {
+          const vec p = exp_nonpositive(load(row + j) - m);
+          store(row + j, p);
+          sum += p;
+        }
+        const float alpha = std::exp(s.m[k] - m);  // 0 at the first visible block (m was -inf)
+        if (alpha != 1.0f) {
+          float* out = s.o.data() + k * d;
+          for (int64_t x = 0; x < d; ++x) out[x] *= alpha;
+        }
+        s.l[k] = s.l[k] * alpha + sum_of(sum);
+        s.m[k] = m;
+      }
+    const int64_t vblk = c.v_table[req * c.v_table_stride + b];
+    const size_t per_kv = c.group * rows;
+    for (int64_t kv = 0; kv < H / c.group; ++kv) {
+      int64_t ldv;
+      const float* values = value_tile(c, vblk, kv, jlo, n, s.values.data(), ldv);
+      over_rows<Values>(per_kv, s.o_rows.data() + kv * per_kv, s.p_rows.data() + kv * per_kv, values, ldv, jlo, n,
+                        static_cast<int>(d));
+    }
+  }
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t k = h * rows + r;
+      const float inv = 1.0f / s.l[k];
+      for (int64_t x = 0; x < d; ++x) store_io(c.output, c.io_format, ((first + row0 + r) * H + h) * d + x, s.o[k * d + x] * inv);
+    }
+}
+
+void lisa_attention(const at::Tensor& query, const at::Tensor& output, const at::Tensor& query_start,
+                    const at::Tensor& seq_lens, int64_t num_tokens, int64_t window, at::TensorList caches,
+                    at::TensorList tables, at::IntArrayRef roots, at::TensorList heads, at::IntArrayRef widths,
+                    at::IntArrayRef per_cache_head, at::ArrayRef<double> scales, at::IntArrayRef fp8,
+                    const at::Tensor& value_cache, const at::Tensor& value_table, int64_t value_offset, double value_scale,
+                    int64_t value_fp8) {
+  TORCH_CHECK(query.dim() == 3 && query.is_contiguous() && output.dim() == 3 && output.is_contiguous(),
+              "hfcompress lisa_attention: query (T, H, W) and output (T, H, d) must be contiguous");
+  TORCH_CHECK(query.scalar_type() == output.scalar_type(), "hfcompress lisa_attention: query and output dtypes differ");
+  TORCH_CHECK(query_start.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong && query_start.is_contiguous()
+              && seq_lens.is_contiguous(), "hfcompress lisa_attention: query_start and seq_lens must be contiguous int64");
+  const size_t P = caches.size();
+  TORCH_CHECK(P > 0 && tables.size() == P && roots.size() == P && heads.size() == P && widths.size() == P &&
+              per_cache_head.size() == P && scales.size() == P && fp8.size() == P, "hfcompress lisa_attention: part lists differ in length");
+  Context c;
+  c.query = static_cast<const char*>(query.data_ptr());
+  c.output = static_cast<char*>(output.data_ptr());
+  const int io = format_of(query, 0);
+  TORCH_CHECK(io == F32 || io == BF16 || io == F16, "hfcompress lisa_attention: query dtype ", query.scalar_type());
+  c.io_format = io;
+  c.heads = query.size(1);
+  c.width = query.size(2);
+  c.d = output.size(2);
+  c.block = value_cache.size(2);
+  c.ld = round_up(c.block, LANES);
+  TORCH_CHECK(value_cache.dim() == 4 && value_cache.stride(3) == 1 && c.heads % value_cache.size(1) == 0,
+              "hfcompress lisa_attention: value cache (blocks, KV, block, width) with contiguous rows");
+  c.group = c.heads / value_cache.size(1);
+  c.window = window;
+  c.num_tokens = num_tokens;
+  c.query_start = query_start.data_ptr<int64_t>();
+  c.seq_lens = seq_lens.data_ptr<int64_t>();
+  const int64_t requests = seq_lens.numel();
+  TORCH_CHECK(query_start.numel() == requests + 1, "hfcompress lisa_attention: query_start needs requests + 1 entries");
+
+  int64_t offset = 0;
+  for (size_t pi = 0; pi < P; ++pi) {
+    const at::Tensor& cache = caches[pi];
+    TORCH_CHECK(cache.dim() == 4 && cache.size(2) == c.block && cache.stride(3) == 1 && cache.stride(2) == cache.size(3),
+                "hfcompress lisa_attention: part ", pi, ": a cache (blocks, heads, block, row) of the value cache's block size");
+    TORCH_CHECK(tables[pi].scalar_type() == at::kInt && tables[pi].stride(1) == 1 && tables[pi].size(0) >= requests,
+                "hfcompress lisa_attention: block tables must be int32 rows");
+    Part part;
+    part.data = static_cast<const char*>(cache.data_ptr());
+    part.format = format_of(cache, fp8[pi]);
+    part.width = static_cast<int>(widths[pi]);
+    part.q_offset = static_cast<int>(offset);
+    offset += part.width;
+    part.scale = static_cast<float>(scales[pi]);
+    part.table = tables[pi].data_ptr<int32_t>();
+    part.table_stride = tables[pi].stride(0);
+    part.block_stride = cache.stride(0);
+    int64_t part_heads;
+    if (roots[pi]) {  // the CPU backend: per block and KV head, K as [head size][block], then V
+      TORCH_CHECK(part.width * 2 <= cache.size(3), "hfcompress lisa_attention: root part wider than its head size");
+      part_heads = cache.size(1);
+      part.pos_stride = 1;
+      part.elem_stride = c.block;
+      for (int64_t ph = 0; ph < part_heads; ++ph) part.head_base.push_back(ph * cache.stride(1));
+    } else {  // a LowRankCacheAttention cache: per position and cache head, the low-rank keys of its key heads
+      const int64_t per = per_cache_head[pi];
+      part_heads = cache.size(1) * per;
+      TORCH_CHECK(per * part.width <= cache.size(3), "hfcompress lisa_attention: low-rank keys wider than the cache row");
+      part.pos_stride = cache.stride(2);
+      part.elem_stride = 1;
+      for (int64_t ph = 0; ph < part_heads; ++ph) part.head_base.push_back(ph / per * cache.stride(1) + ph % per * part.width);
+    }
+    part.direct = part.format == F32 && roots[pi] && c.block % LANES == 0;
+    const at::Tensor& map = heads[pi];
+    TORCH_CHECK(map.scalar_type() == at::kLong && map.numel() == c.heads && map.is_contiguous(),
+                "hfcompress lisa_attention: a part's head map has one int64 per query head");
+    part.readers.assign(part_heads, {});
+    for (int64_t h = 0; h < c.heads; ++h) {
+      const int64_t ph = map.data_ptr<int64_t>()[h];
+      TORCH_CHECK(ph >= 0 && ph < part_heads, "hfcompress lisa_attention: head map out of range");
+      part.readers[ph].push_back(static_cast<int>(h));
+    }
+    c.parts.push_back(std::move(part));
+  }
+  TORCH_CHECK(offset == c.width, "hfcompress lisa_attention: the parts' widths do not add up to the query's");
+  TORCH_CHECK(value_offset + c.d <= value_cache.size(3), "hfcompress lisa_attention: V past the cache row");
+  TORCH_CHECK(value_table.scalar_type() == at::kInt && value_table.stride(1) == 1, "hfcompress lisa_attention: int32 table");
+  c.v_data = static_cast<const char*>(value_cache.data_ptr());
+  c.v_format = format_of(value_cache, value_fp8);
+  c.v_block_stride = value_cache.stride(0);
+  c.v_head_stride = value_cache.stride(1);
+  c.v_pos_stride = value_cache.stride(2);
+  c.v_offset = value_offset;
+  c.v_scale = static_cast<float>(value_scale);
+  c.v_table = value_table.data_ptr<int32_t>();
+  c.v_table_stride = value_table.stride(0);
+
+  // work items: (request, tile of query rows); a decode request is one item
+  std::vector<std::pair<int64_t, int64_t>> items;
+  for (int64_t r = 0; r < requests; ++r) {
+    const int64_t count = std::min(c.query_start[r + 1], num_tokens) - c.query_start[r];
+    for (int64_t row = 0; row < count; row += ROW_TILE) items.emplace_back(r, row);
+  }
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    thread_local Scratch scratch;
+    for (int64_t i = begin; i < end; ++i) {
+      const auto [r, row] = items[i];
+      const int64_t count = std::min(c.query_start[r + 1], num_tokens) - c.query_start[r];
+      attend_item(c, r, row, std::min<int64_t>(ROW_TILE, count - row), scratch);
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(hfcompress, m) {
+  m.def(
+      "lisa_attention(Tensor query, Tensor(a!) output, Tensor query_start, Tensor seq_lens, int num_tokens, int window, "
+      "Tensor[] caches, Tensor[] tables, int[] roots, Tensor[] heads, int[] widths, int[] per_cache_head, float[] scales, "
+      "int[] fp8, Tensor value_cache, Tensor value_table, int value_offset, float value_scale, int value_fp8) -> ()");
+  m.impl("lisa_attention", c10::DispatchKey::CPU, &lisa_attention);
+}

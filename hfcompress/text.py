@@ -33,16 +33,18 @@
   - `c4`: English web pages, the text GPTQ calibrates on (allenai/c4), read as `datasets.load_dataset("allenai/c4",
     data_files={"validation": "en/c4-validation.00000-of-00008.json.gz"}, split="validation")`. One validation shard
     because it is small (about 40 MB; the train shards GPTQ samples from are several times larger) and already the
-    file GPTQ's code downloads for its C4 perplexity; the mixture starts after the
-    shard's first 1,100 documents, the ones that C4 perplexity (GPTQ's and its followers') scores, so a converted
-    model measured that way was not calibrated on them.
-  Each Hub domain is pinned to the revision the Hub names at load time (in the domain's name, so the mixture's name
-  in the report and the card says which; the calibration cache is keyed by the tokens themselves), read up to
+    file GPTQ's code downloads for its C4 perplexity; the mixture starts after the shard's first 1,100 documents, the
+    ones that C4 perplexity (GPTQ's and its followers') scores, so a converted model measured that way was not
+    calibrated on them.
+  Each Hub domain is pinned to the revision the Hub names at load time (in the domain's name, so the mixture's name in
+  the report and the card says which; the calibration cache is keyed by the tokens themselves), read up to
   HUB_DOMAIN_CHARS characters (about the Wikipedia excerpt, the largest offline domain: the mixture is balanced only
-  up to its smallest domain, so tokenising a whole C4 shard would be time spent on text no step reads), and its documents that mention NumPy are dropped (a web page may
-  quote NumPy's docstrings, the held-out third domain). Each is asked for with one probe bounded by PROBE_TIMEOUT_S;
-  a Hub domain that fails to load is left out with one console line naming it and why, and the mixture goes on with
-  the rest. When no Hub domain loads, or the Hub does not answer (an unreachable Hub costs one bounded request), or
+  up to its smallest domain, so tokenising a whole C4 shard would be time spent on text no step reads), and its
+  documents that mention NumPy are dropped (a web page may quote NumPy's docstrings, the held-out third domain). Each
+  is asked for with one probe bounded by PROBE_TIMEOUT_S; a Hub domain that fails to load is left out with one console
+  line naming it and why, and the mixture goes on with the rest; the loads together get HUB_LOAD_TIMEOUT_S (300 s),
+  and one still running then is left out the same way, so a slow or stalled Hub delays a run by that much at most.
+  When no Hub domain loads, or the Hub does not answer (an unreachable Hub costs one bounded request), or
   HF_HUB_OFFLINE is set, `auto` is `mix`, exactly. For evaluation: the held-out last 25% of each domain of the same
   mixture (offline: of the calibration text). Calibration never sees the text perplexity is measured on. What the
   calibration text costs on other text, measured offline: README, "Calibration and evaluation text"; the online
@@ -65,6 +67,8 @@
 import importlib.util
 import os
 import re
+import threading
+import time
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
@@ -100,6 +104,9 @@ C4_SKIPPED_DOCUMENTS = 1100
 # a Hub domain is read up to this many characters, about the largest offline domain (the Wikipedia excerpt): the mixture
 # is balanced only up to its smallest domain, so the rest of a C4 shard would be tokenised for nothing
 HUB_DOMAIN_CHARS = 3_200_000
+# the Hub domains' loads together (a first run downloads ~50 MB and prepares it); a load still running then is left
+# out, so a slow or stalled Hub delays a run by this much at most
+HUB_LOAD_TIMEOUT_S = 300.0
 PROBE_TIMEOUT_S = 3.0  # "auto" asks the Hub once with this timeout, so a machine without network falls back at once
 # wikitext-2 train is ~11 MB; calibration needs only its first tokens, and no tokenizer averages 16 characters a token
 CHARS_PER_TOKEN_BOUND = 16
@@ -562,17 +569,40 @@ def _hub_domains(endpoint: str) -> tuple[Text, ...]:
     """The online mixture's Hub domains that load from `endpoint`, each pinned to the revision its probe names (one
     request each, bounded in time); one console line for each that does not, and the mixture goes on without it.
     Cached per endpoint, so calibration and evaluation load them once."""
-    loaded = []
+    loaded, deadline = [], time.monotonic() + HUB_LOAD_TIMEOUT_S
     for domain in HUB_DOMAINS:
         revision, reason, _ = _probe_dataset(endpoint, domain.dataset.id)
         if reason is None:
             try:
-                loaded.append(_hub_domain_text(domain, revision))
+                loaded.append(_load_before(domain, revision, deadline))
                 continue
             except HfcompressError as err:
                 reason = str(err)
         console.log(f"calibration mixture: {domain.short} left out ({reason})", highlight=False)
     return tuple(loaded)
+
+
+def _load_before(domain: HubDomain, revision: str, deadline: float) -> Text:
+    """`_hub_domain_text`, waited for until `deadline` (time.monotonic()). The load runs in a daemon thread, so one
+    still running then is abandoned, not waited for: its download resumes on the next run."""
+    if time.monotonic() >= deadline:
+        raise HfcompressError(f"the Hub domains before it took the {HUB_LOAD_TIMEOUT_S:g} s they are given")
+    result: dict = {}
+
+    def load() -> None:
+        try:
+            result["text"] = _hub_domain_text(domain, revision)
+        except BaseException as err:  # handed to the waiting thread, which raises it
+            result["error"] = err
+
+    worker = threading.Thread(target=load, name=f"hfcompress-load-{domain.short}", daemon=True)
+    worker.start()
+    worker.join(max(0.0, deadline - time.monotonic()))
+    if worker.is_alive():
+        raise HfcompressError(f"not loaded within {HUB_LOAD_TIMEOUT_S:g} s; its download resumes on the next run")
+    if "error" in result:
+        raise result["error"]
+    return result["text"]
 
 
 def online_mixture() -> tuple[Text | None, str | None]:

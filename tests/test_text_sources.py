@@ -325,6 +325,35 @@ def test_a_hub_domain_that_fails_is_left_out_with_one_line(c4_hub, hub_env):
     assert f"evaluation text: {loaded['name']}, held-out last 25% of each (auto: the Hub is reachable)" in proc.stderr
 
 
+LOAD_ONLINE_WITHIN = SMALL_ONLINE_MIXTURE + """
+import json
+import os
+import time
+text.HUB_LOAD_TIMEOUT_S = 3.0
+start = time.monotonic()
+calibration = text.load_text("auto", "calibration")
+print(json.dumps({"name": calibration.name, "offline": text.offline_text().name, "seconds": time.monotonic() - start}), flush=True)
+os._exit(0)  # the abandoned load ends on its own (the client's timeouts); the test does not wait for it
+"""
+
+
+@pytest.mark.skipif(wiki_file() is None, reason="gensim (three of the mixture's domains) is not installed")
+def test_a_stalled_hub_domain_is_left_out_in_bounded_time(c4_hub, hub_env):
+    """C4's files on a server that accepts the request and never answers (and no wikitext-2, so C4 is the only load):
+    the loads end at HUB_LOAD_TIMEOUT_S (3 s here), C4 is left out with one line, and "auto" goes on without it."""
+    hub, _, _, _ = c4_hub
+    hub.delete_repo(WIKITEXT_REPO, repo_type="dataset")
+    hub.inject_fault("*", f"/datasets/{C4_REPO}/resolve/", *["stall:60"] * 20)
+    proc = subprocess.run([sys.executable, "-c", LOAD_ONLINE_WITHIN], env={**hub_env, "COLUMNS": "400"}, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert loaded["name"] == loaded["offline"]
+    assert loaded["seconds"] < 15  # 3 s for the load, then the offline domains; the stalled download alone takes minutes
+    failures = [line for line in proc.stderr.splitlines() if "left out" in line]
+    assert len(failures) == 2 and "wikitext-2 left out" in failures[0]
+    assert "calibration mixture: c4 left out (not loaded within 3 s; its download resumes on the next run)" in failures[1]
+
+
 def test_auto_online_without_hub_datasets_is_the_offline_mixture(local_hub, monkeypatch, log, hub_traffic):
     """A Hub that answers but has neither dataset (a mirror without them): one bounded probe each, one line each, no
     load, and "auto" is the offline mixture, exactly as offline."""

@@ -137,7 +137,8 @@ class Text:
     text: str
     held_out: bool
     dataset: HubDataset | None = None  # set for a Hub dataset split
-    parts: tuple["Text", ...] = ()  # a mixture (`mix`): its domains, each split 75% / 25% on its own (`mixture_split`)
+    # a mixture (`mix`, or the online one of `auto`): its domains, each split 75% / 25% on its own (`mixture_split`)
+    parts: tuple["Text", ...] = ()
 
 
 # text name -> its Hub dataset, for every dataset split loaded in this process: the report records it next to the name
@@ -538,7 +539,7 @@ HUB_DOMAINS = (
 )
 
 
-def _hub_domain_text(domain: HubDomain, revision: str) -> Text:
+def _hub_domain_text(domain: HubDomain, revision: str | None) -> Text:
     """A Hub domain at `revision`: its documents after the first `domain.skip`, those mentioning NumPy dropped (a web
     page may quote NumPy's docstrings, the held-out third domain), joined with blank lines up to HUB_DOMAIN_CHARS."""
     dataset = replace(domain.dataset, revision=revision)
@@ -560,7 +561,6 @@ def _hub_domain_text(domain: HubDomain, revision: str) -> Text:
     if len(text.split()) < 200:
         after = f" after its first {domain.skip:,} documents" if domain.skip else ""
         raise HfcompressError(f"Cannot use {where}: it has only {len(text.split())} words{after}, too few to calibrate on.")
-    _HUB_DATASETS[short_name(name)] = dataset  # what the report's calibration `datasets` list names
     return Text(name, text, held_out=True, dataset=dataset)
 
 
@@ -574,15 +574,18 @@ def _hub_domains(endpoint: str) -> tuple[Text, ...]:
         revision, reason, _ = _probe_dataset(endpoint, domain.dataset.id)
         if reason is None:
             try:
-                loaded.append(_load_before(domain, revision, deadline))
-                continue
+                text = _load_before(domain, revision, deadline)
             except HfcompressError as err:
                 reason = str(err)
+            else:
+                _HUB_DATASETS[short_name(text.name)] = text.dataset  # what the report's calibration `datasets` lists
+                loaded.append(text)
+                continue
         console.log(f"calibration mixture: {domain.short} left out ({reason})", highlight=False)
     return tuple(loaded)
 
 
-def _load_before(domain: HubDomain, revision: str, deadline: float) -> Text:
+def _load_before(domain: HubDomain, revision: str | None, deadline: float) -> Text:
     """`_hub_domain_text`, waited for until `deadline` (time.monotonic()). The load runs in a daemon thread, so one
     still running then is abandoned, not waited for: its download resumes on the next run."""
     if time.monotonic() >= deadline:

@@ -54,7 +54,8 @@ def pytest_runtest_setup(item):
 def _offline_unless_local_hub(request, monkeypatch):
     """Tests that do not talk to the local Hub run with HF_HUB_OFFLINE=1 (in this process and in subprocesses), so
     the "auto" calibration/evaluation text is the built-in one: deterministic, and never a download. Tests using the
-    local Hub fixtures stay online against it (it has no Salesforce/wikitext unless a test creates it)."""
+    local Hub fixtures stay online against it (it has no Salesforce/wikitext or allenai/c4 unless a test creates them,
+    so "auto" there is the offline mixture too, after one line for each Hub domain left out)."""
     if "local_hub" in request.fixturenames or request.node.get_closest_marker("own_local_hub"):
         return
     import huggingface_hub.constants as hf_constants

@@ -214,7 +214,7 @@ int format_of(const at::Tensor& cache, int64_t fp8) {
 struct Part {
   const char* data;
   int format;
-  int64_t block_stride, pos_stride, elem_stride;  // in elements
+  int64_t block, block_stride, pos_stride, elem_stride;  // its block size; strides in elements
   std::vector<int64_t> head_base;                 // per part head, its offset in a block (elements)
   std::vector<std::vector<int>> readers;          // per part head, the query heads reading it
   int width, q_offset;
@@ -228,14 +228,14 @@ struct Context {
   const char* query;
   char* output;
   int io_format;
-  int64_t heads, width, d, block, ld, group, window, num_tokens;
+  int64_t heads, width, d, block, ld, group, window, num_tokens;  // block: the tile of key positions walked
   const int64_t* query_start;
   const int64_t* seq_lens;
   std::vector<Part> parts;
   // this layer's own cache: V per position at value_offset
   const char* v_data;
   int v_format;
-  int64_t v_block_stride, v_head_stride, v_pos_stride, v_offset;
+  int64_t v_block, v_block_stride, v_head_stride, v_pos_stride, v_offset;
   float v_scale;
   const int32_t* v_table;
   int64_t v_table_stride;
@@ -264,10 +264,11 @@ void store_io(char* base, int format, int64_t k, float v) {
   }
 }
 
-// The keys of part head `ph` in block `blk`, positions [0, n): a float matrix [width][ld] (zero past n), or, for fp32
-// keys already transposed in the cache, a pointer into it.
-const float* key_tile(const Context& c, const Part& part, int64_t blk, int ph, int64_t n, float* scratch, int64_t& ldk) {
-  const int64_t base = blk * part.block_stride + part.head_base[ph];
+// The keys of part head `ph` in block `blk` at positions [off, off + n): a float matrix [width][ld] (zero past n), or,
+// for fp32 keys already transposed in the cache, a pointer into it.
+const float* key_tile(const Context& c, const Part& part, int64_t blk, int64_t off, int ph, int64_t n, float* scratch,
+                      int64_t& ldk) {
+  const int64_t base = blk * part.block_stride + part.head_base[ph] + off * part.pos_stride;
   if (part.direct) {
     ldk = part.elem_stride;
     return reinterpret_cast<const float*>(part.data) + base;
@@ -283,9 +284,11 @@ const float* key_tile(const Context& c, const Part& part, int64_t blk, int ph, i
   return scratch;
 }
 
-// V of KV head `kv` in block `blk`, positions [p0, n): a float matrix [position][d] (a pointer into an fp32 cache)
-const float* value_tile(const Context& c, int64_t blk, int64_t kv, int64_t p0, int64_t n, float* scratch, int64_t& ldv) {
-  const int64_t base = blk * c.v_block_stride + kv * c.v_head_stride + c.v_offset;
+// V of KV head `kv` in block `blk` at positions off + [p0, n): a float matrix [position][d] (a pointer into an fp32
+// cache)
+const float* value_tile(const Context& c, int64_t blk, int64_t off, int64_t kv, int64_t p0, int64_t n, float* scratch,
+                        int64_t& ldv) {
+  const int64_t base = blk * c.v_block_stride + kv * c.v_head_stride + c.v_offset + off * c.v_pos_stride;
   if (c.v_format == F32) {
     ldv = c.v_pos_stride;
     return reinterpret_cast<const float*>(c.v_data) + base;
@@ -350,12 +353,12 @@ void attend_item(const Context& c, int64_t req, int64_t row0, int64_t rows, Scra
     size_t slot = 0;
     for (size_t pi = 0; pi < c.parts.size(); ++pi) {
       const Part& part = c.parts[pi];
-      const int64_t blk = part.table[req * part.table_stride + b];
+      const int64_t blk = part.table[req * part.table_stride + k0 / part.block], off = k0 % part.block;
       for (size_t ph = 0; ph < part.readers.size(); ++ph, ++slot) {
         const size_t begin = s.part_rows[slot], end = s.part_rows[slot + 1];
         if (begin == end) continue;
         int64_t ldk;
-        const float* keys = key_tile(c, part, blk, static_cast<int>(ph), n, s.keys.data(), ldk);
+        const float* keys = key_tile(c, part, blk, off, static_cast<int>(ph), n, s.keys.data(), ldk);
         over_rows<Scores>(end - begin, s.s_rows.data() + begin, s.q_rows.data() + begin, keys, ldk, part.width, cols,
                           pi > 0);
       }
@@ -394,11 +397,11 @@ void attend_item(const Context& c, int64_t req, int64_t row0, int64_t rows, Scra
         s.l[k] = s.l[k] * alpha + sum_of(sum);
         s.m[k] = m;
       }
-    const int64_t vblk = c.v_table[req * c.v_table_stride + b];
+    const int64_t vblk = c.v_table[req * c.v_table_stride + k0 / c.v_block], voff = k0 % c.v_block;
     const size_t per_kv = c.group * rows;
     for (int64_t kv = 0; kv < H / c.group; ++kv) {
       int64_t ldv;
-      const float* values = value_tile(c, vblk, kv, jlo, n, s.values.data(), ldv);
+      const float* values = value_tile(c, vblk, voff, kv, jlo, n, s.values.data(), ldv);
       over_rows<Values>(per_kv, s.o_rows.data() + kv * per_kv, s.p_rows.data() + kv * per_kv, values, ldv, jlo, n,
                         static_cast<int>(d));
     }
@@ -434,7 +437,10 @@ void lisa_attention(const at::Tensor& query, const at::Tensor& output, const at:
   c.heads = query.size(1);
   c.width = query.size(2);
   c.d = output.size(2);
+  // key positions are walked in tiles of the smallest block size, which divides the others (vLLM splits its blocks
+  // into the kernel block sizes a backend takes: a part's cache may have smaller blocks than this layer's)
   c.block = value_cache.size(2);
+  for (const at::Tensor& cache : caches) c.block = std::min(c.block, cache.size(2));
   c.ld = round_up(c.block, LANES);
   TORCH_CHECK(value_cache.dim() == 4 && value_cache.stride(3) == 1 && c.heads % value_cache.size(1) == 0,
               "hfcompress lisa_attention: value cache (blocks, KV, block, width) with contiguous rows");
@@ -449,8 +455,8 @@ void lisa_attention(const at::Tensor& query, const at::Tensor& output, const at:
   int64_t offset = 0;
   for (size_t pi = 0; pi < P; ++pi) {
     const at::Tensor& cache = caches[pi];
-    TORCH_CHECK(cache.dim() == 4 && cache.size(2) == c.block && cache.stride(3) == 1 && cache.stride(2) == cache.size(3),
-                "hfcompress lisa_attention: part ", pi, ": a cache (blocks, heads, block, row) of the value cache's block size");
+    TORCH_CHECK(cache.dim() == 4 && cache.size(2) % c.block == 0 && cache.stride(3) == 1 && cache.stride(2) == cache.size(3),
+                "hfcompress lisa_attention: part ", pi, ": a cache (blocks, heads, block, row), its block size a multiple of the others'");
     TORCH_CHECK(tables[pi].scalar_type() == at::kInt && tables[pi].stride(1) == 1 && tables[pi].size(0) >= requests,
                 "hfcompress lisa_attention: block tables must be int32 rows");
     Part part;
@@ -462,13 +468,14 @@ void lisa_attention(const at::Tensor& query, const at::Tensor& output, const at:
     part.scale = static_cast<float>(scales[pi]);
     part.table = tables[pi].data_ptr<int32_t>();
     part.table_stride = tables[pi].stride(0);
+    part.block = cache.size(2);
     part.block_stride = cache.stride(0);
     int64_t part_heads;
     if (roots[pi]) {  // the CPU backend: per block and KV head, K as [head size][block], then V
       TORCH_CHECK(part.width * 2 <= cache.size(3), "hfcompress lisa_attention: root part wider than its head size");
       part_heads = cache.size(1);
       part.pos_stride = 1;
-      part.elem_stride = c.block;
+      part.elem_stride = part.block;
       for (int64_t ph = 0; ph < part_heads; ++ph) part.head_base.push_back(ph * cache.stride(1));
     } else {  // a LowRankCacheAttention cache: per position and cache head, the low-rank keys of its key heads
       const int64_t per = per_cache_head[pi];
@@ -478,7 +485,7 @@ void lisa_attention(const at::Tensor& query, const at::Tensor& output, const at:
       part.elem_stride = 1;
       for (int64_t ph = 0; ph < part_heads; ++ph) part.head_base.push_back(ph / per * cache.stride(1) + ph % per * part.width);
     }
-    part.direct = part.format == F32 && roots[pi] && c.block % LANES == 0;
+    part.direct = part.format == F32 && roots[pi] && c.block % LANES == 0;  // tiles of whole vectors inside its blocks
     const at::Tensor& map = heads[pi];
     TORCH_CHECK(map.scalar_type() == at::kLong && map.numel() == c.heads && map.is_contiguous(),
                 "hfcompress lisa_attention: a part's head map has one int64 per query head");
@@ -495,6 +502,8 @@ void lisa_attention(const at::Tensor& query, const at::Tensor& output, const at:
   TORCH_CHECK(value_table.scalar_type() == at::kInt && value_table.stride(1) == 1, "hfcompress lisa_attention: int32 table");
   c.v_data = static_cast<const char*>(value_cache.data_ptr());
   c.v_format = format_of(value_cache, value_fp8);
+  TORCH_CHECK(value_cache.size(2) % c.block == 0, "hfcompress lisa_attention: block sizes must divide each other");
+  c.v_block = value_cache.size(2);
   c.v_block_stride = value_cache.stride(0);
   c.v_head_stride = value_cache.stride(1);
   c.v_pos_stride = value_cache.stride(2);

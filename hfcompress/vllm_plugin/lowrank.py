@@ -319,14 +319,20 @@ def cpu_tag() -> str:
     return hashlib.sha1(flags.encode()).hexdigest()[:10]
 
 
+def attention_choice() -> str:
+    choice = os.environ.get("HFCOMPRESS_VLLM_ATTENTION", "auto")
+    if choice not in ("auto", "kernel", "torch"):
+        raise UnservableModel(f"HFCOMPRESS_VLLM_ATTENTION={choice!r}: use auto (the default), kernel or torch.")
+    return choice
+
+
 @functools.cache
 def lisa_kernel() -> bool:
     """Whether the C++ kernel (`torch.ops.hfcompress.lisa_attention`) is loaded: built once per machine into torch's
-    extension directory (about a minute), loaded once per process. HFCOMPRESS_VLLM_ATTENTION=torch keeps the torch
-    path; a missing compiler or a failed build gives one warning and the torch path."""
-    choice = os.environ.get("HFCOMPRESS_VLLM_ATTENTION", "kernel")
-    if choice not in ("kernel", "torch"):
-        raise UnservableModel(f"HFCOMPRESS_VLLM_ATTENTION={choice!r}: use kernel (the default) or torch.")
+    extension directory (about half a minute), loaded once per process. HFCOMPRESS_VLLM_ATTENTION: auto (the default:
+    a missing compiler or a failed build gives one warning and the torch path), kernel (required: they raise), torch
+    (the torch path)."""
+    choice = attention_choice()
     if choice == "torch":
         return False
     try:
@@ -336,6 +342,8 @@ def lisa_kernel() -> bool:
         load(name=f"hfcompress_lisa_attention_{cpu_tag()}", sources=[str(KERNEL_SOURCE)], extra_cflags=flags,
              extra_ldflags=["-fopenmp"], is_python_module=False)  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a failed build: serve with the torch path
+        if choice == "kernel":
+            raise UnservableModel(f"HFCOMPRESS_VLLM_ATTENTION=kernel: the C++ LISA attention kernel did not build: {exc}") from exc
         logger.warning("hfcompress: the C++ LISA attention kernel is unavailable (%s); shared layers attend in torch "
                        "(slower).", str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)  # fmt: skip
         return False
@@ -343,16 +351,17 @@ def lisa_kernel() -> bool:
 
 
 def kernel_attention(layer: "LowRankCacheAttention", sources: list, query: torch.Tensor, output: torch.Tensor,
-                     meta: LowRankMetadata, n: int) -> bool:  # fmt: skip
-    """The attention of every request of the step by the C++ kernel, written into `output` (rows < n); False (nothing
-    done) where it does not apply: a query dtype other than fp32 / bf16 / fp16, caches of different block sizes or with
-    rows it cannot address."""
+                     meta: LowRankMetadata, n: int) -> str | None:  # fmt: skip
+    """The attention of every request of the step by the C++ kernel, written into `output` (rows < n); None when done,
+    else why it does not apply (nothing done): a query dtype other than fp32 / bf16 / fp16, caches whose block sizes
+    do not divide each other or with rows it cannot address."""
     own = layer.kv_cache
     caches = [source.kv_cache for source, _ in sources]
-    if query.dtype not in (torch.float32, torch.bfloat16, torch.float16) or any(
-        c.shape[2] != own.shape[2] or c.stride(3) != 1 or c.stride(2) != c.shape[3] for c in [*caches, own]
-    ):
-        return False
+    if query.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"query dtype {query.dtype}"
+    smallest = min(c.shape[2] for c in [*caches, own])  # vLLM may split a backend's blocks (kernel block sizes)
+    if any(c.shape[2] % smallest or c.stride(3) != 1 or c.stride(2) != c.shape[3] for c in [*caches, own]):
+        return "caches (shape, strides): " + ", ".join(f"{tuple(c.shape)} {c.stride()}" for c in [*caches, own])
     tables = [source_meta.block_table.to(torch.int32) for _, source_meta in sources]
     torch.ops.hfcompress.lisa_attention(
         query, output, meta.query_start_t, meta.seq_lens_t, n, layer.window or 0, caches, tables,
@@ -363,7 +372,7 @@ def kernel_attention(layer: "LowRankCacheAttention", sources: list, query: torch
         [FP8_CODES[FP8_FORMATS.get(source.kv_cache_dtype)] for source, _ in sources],
         own, meta.block_table.to(torch.int32), layer.key_width, float(layer._v_scale_float), FP8_CODES[layer.fp8],
     )  # fmt: skip
-    return True
+    return None
 
 
 def lisa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
@@ -408,8 +417,13 @@ def lisa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     for part in layer.parts:
         source_meta = metadata[part.layer_name] if isinstance(metadata, dict) else metadata
         sources.append((context.no_compile_layers[part.layer_name], source_meta))
-    if not (lisa_kernel() and kernel_attention(layer, sources, query, output, meta, n)):
-        torch_attention(layer, sources, query, output, meta, n)
+    if lisa_kernel():
+        why_not = kernel_attention(layer, sources, query, output, meta, n)
+        if why_not is None:
+            return
+        if attention_choice() == "kernel":
+            raise UnservableModel(f"HFCOMPRESS_VLLM_ATTENTION=kernel: the C++ kernel does not apply to {layer_name}: {why_not}.")
+    torch_attention(layer, sources, query, output, meta, n)
 
 
 def torch_attention(layer: "LowRankCacheAttention", sources: list, query: torch.Tensor, output: torch.Tensor,

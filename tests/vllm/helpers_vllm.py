@@ -21,7 +21,10 @@ def main_python() -> str:
 
 
 def child_env() -> dict[str, str]:
-    return dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
+    # HFCOMPRESS_VLLM_ATTENTION=kernel: the shared layers attend with the C++ kernel or the engine fails (no silent
+    # torch fallback in the end-to-end tests; the torch path is the kernel's reference in test_lisa_kernel.py)
+    return dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore",
+                HFCOMPRESS_VLLM_ATTENTION=os.environ.get("HFCOMPRESS_VLLM_ATTENTION", "kernel"))
 
 
 def build_references(root: Path, names: list[str], timeout: int = 1500) -> None:

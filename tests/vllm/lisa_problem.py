@@ -33,19 +33,20 @@ def random_cache(shape: tuple, dtype: torch.dtype, kv_cache_dtype: str, scale: f
 
 
 def random_problem(requests: list[tuple[int, int]], *, heads: int = 9, kv: int = 3, d: int = 64,
-                   root_head_size: int | None = None, chain: tuple = ((3, 20), (9, 20)), block: int = 32,
+                   root_head_size: int | None = None, chain: tuple = ((3, 20), (9, 20)), block: int | tuple = 32,
                    window: int | None = None, dtype: torch.dtype = torch.float32, kv_cache_dtype: str = "auto",
                    scales: tuple = (1.0, 1.0, 1.0), padding_rows: int = 0, seed: int = 0) -> Problem:  # fmt: skip
     """`requests`: per request (keys, query rows): a decode has 1 row, a prefill chunk more, the last rows of its keys.
-    `chain`: the low-rank parts after the root's K, (key heads, rank) each, the last this layer's own. `scales`: the
-    layers' k scales (the root's first, used with fp8) and, last, this layer's v scale."""
+    `chain`: the low-rank parts after the root's K, (key heads, rank) each, the last this layer's own. `block`: the
+    block size, or one per layer (the root's first; vLLM splits blocks for backends that take smaller ones). `scales`:
+    the layers' k scales (the root's first, used with fp8) and, last, this layer's v scale."""
     torch.manual_seed(seed)
-    blocks_needed = sum(-(-length // block) for length, _ in requests)
-    num_blocks = blocks_needed + 5
-    width = max(-(-length // block) for length, _ in requests) + 2
+    sizes = list(block) if isinstance(block, tuple) else [block] * (len(chain) + 1)
+    num_blocks = sum(-(-length // min(sizes)) for length, _ in requests) + 5
     layers = []
 
-    def table() -> torch.Tensor:  # distinct blocks per request, shuffled; past its blocks, any block (vLLM pads)
+    def table(block: int) -> torch.Tensor:  # distinct blocks per request, shuffled; past its blocks, any (vLLM pads)
+        width = max(-(-length // block) for length, _ in requests) + 2
         order = torch.randperm(num_blocks)
         rows, used = [], 0
         for length, _ in requests:
@@ -55,17 +56,17 @@ def random_problem(requests: list[tuple[int, int]], *, heads: int = 9, kv: int =
         return torch.stack(rows).to(torch.int32)
 
     root_size = root_head_size or d
-    root = SimpleNamespace(kv_cache=random_cache((num_blocks, kv, block, 2 * root_size), dtype, kv_cache_dtype, scales[0]),
+    root = SimpleNamespace(kv_cache=random_cache((num_blocks, kv, sizes[0], 2 * root_size), dtype, kv_cache_dtype, scales[0]),
                            kv_cache_dtype=kv_cache_dtype, _k_scale_float=scales[0])  # fmt: skip
-    layers.append((root, SimpleNamespace(block_table=table())))
+    layers.append((root, SimpleNamespace(block_table=table(sizes[0]))))
     parts = [KeyPart("root", "root", torch.randint(kv, (heads,)).tolist(), d)]
     for n, (key_heads, rank) in enumerate(chain):
         own = n == len(chain) - 1
         name = "own" if own else f"shared{n}"
         key_width = key_heads * rank // kv
-        cache = random_cache((num_blocks, kv, block, key_width + d), dtype, kv_cache_dtype, scales[n + 1])
+        cache = random_cache((num_blocks, kv, sizes[n + 1], key_width + d), dtype, kv_cache_dtype, scales[n + 1])
         layer = SimpleNamespace(kv_cache=cache, kv_cache_dtype=kv_cache_dtype, _k_scale_float=scales[n + 1], layer_name=name)
-        layers.append((layer, SimpleNamespace(block_table=table())))
+        layers.append((layer, SimpleNamespace(block_table=table(sizes[n + 1]))))
         parts.append(KeyPart(name, "lowrank", torch.randint(key_heads, (heads,)).tolist(), rank, key_heads))
     layer = layers[-1][0]
     layer.parts, layer.window, layer.num_heads, layer.head_dim = parts, window, heads, d

@@ -1,7 +1,7 @@
 """The C++ attention kernel of LISA shared layers (hfcompress/vllm_plugin/lisa_attention.cpp) against its torch
 reference (lowrank.torch_attention), on random caches in vLLM's layouts with shuffled block tables (lisa_problem.py):
 several requests of mixed lengths (decodes, a prefill chunk after cached keys, a whole prefill, rows past the block
-size), GQA with free head maps per part, chains of two low-rank parts, one low-rank key per query head, a root head size
+size, block sizes differing per cache), GQA with free head maps per part, chains of two low-rank parts, one low-rank key per query head, a root head size
 padded past the head dim, sliding windows, block sizes that are not multiples of the kernel's 16 lanes, padding rows;
 fp32 to 1e-5, fp8 caches (e4m3 / e5m2, non-unit scales) at fp32, bf16 and fp16 against the fp32 reference of the same
 caches. Runs in .venv-vllm."""
@@ -29,7 +29,7 @@ def kernel():
 
 def run_both(problem: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     kernel_out, torch_out = problem.output(), problem.output()
-    assert kernel_attention(problem.layer, problem.sources, problem.query, kernel_out, problem.meta, problem.n)
+    assert kernel_attention(problem.layer, problem.sources, problem.query, kernel_out, problem.meta, problem.n) is None
     torch_attention(problem.layer, problem.sources, problem.query, torch_out, problem.meta, problem.n)
     assert torch.equal(kernel_out[problem.n :], torch_out[problem.n :])  # padding rows untouched by both
     return kernel_out[: problem.n], torch_out[: problem.n]
@@ -40,6 +40,7 @@ SHAPES = {
     "block-16-window": {"block": 16, "window": 7},
     "padded-root-block-8-window": {"heads": 4, "kv": 2, "d": 24, "root_head_size": 32, "chain": ((2, 8),), "block": 8, "window": 5},
     "block-48": {"block": 48, "chain": ((3, 20),)},
+    "blocks-32-64-16": {"block": (32, 64, 16), "window": 50},  # vLLM's split blocks: a part's smaller than another's
     "mha-window-long": {"heads": 4, "kv": 4, "d": 32, "chain": ((4, 6), (4, 6)), "block": 32, "window": 40},
 }
 

@@ -4,14 +4,15 @@ VLLM_CPU_KVCACHE_SPACE). Runs in .venv-vllm (scripts/install_vllm.sh):
 
     OMP_NUM_THREADS=2 .venv-vllm/bin/python benchmarks/vllm_throughput.py --model original=DIR --model converted=DIR2 \
         [--model other=DIR3 ...] [--prompt-lens 512,2048] [--concurrency 16] [--new-tokens 64] [--repeats 3] \
-        [--dtype float32] [--kv-cache-dtype auto] [--kv-space 2] [--max-num-batched-tokens 2048] \
+        [--dtype float32] [--kv-cache-dtype auto] [--kv-space 2] [--max-num-batched-tokens 2048] [--enforce-eager] \
         [--out benchmarks/results-vllm.md]
 
 Each model gets one engine in its own process, started once (alive side by side); the timed rounds are interleaved
 (original, converted, ..., the order rotating each repeat) and the medians reported. A round is one `generate` of
 `--concurrency` prompts of exactly the prompt length (real text: the CPython docs, tokenized by the first model's
 tokenizer, a different slice per round), greedy, `--new-tokens` tokens each, EOS ignored; prefix caching off, chunked
-prefill on (vLLM's defaults otherwise). Output tok/s = generated tokens / wall time of the round (its prefill included).
+prefill on (vLLM's defaults otherwise: torch.compile where the model supports it, which vLLM's own Llama does and the
+plugin's LISA models do not; `--enforce-eager` runs every model eager). Output tok/s = generated tokens / wall time of the round (its prefill included).
 The results file is regenerated whole, the command that made it at its top.
 """
 
@@ -29,7 +30,8 @@ from pathlib import Path
 WORKER = "--worker"
 
 
-def worker(model: str, dtype: str, max_len: int, concurrency: int, batched_tokens: int, kv_cache_dtype: str) -> None:
+def worker(model: str, dtype: str, max_len: int, concurrency: int, batched_tokens: int, kv_cache_dtype: str,
+           enforce_eager: bool) -> None:  # fmt: skip
     """One engine; reads `PROMPT_LEN NEW_TOKENS SEED` lines, answers one JSON line each."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -38,7 +40,7 @@ def worker(model: str, dtype: str, max_len: int, concurrency: int, batched_token
 
     llm = LLM(
         model=model, dtype=dtype, max_model_len=max_len, max_num_seqs=concurrency, enable_prefix_caching=False, seed=0,
-        max_num_batched_tokens=batched_tokens, kv_cache_dtype=kv_cache_dtype,
+        max_num_batched_tokens=batched_tokens, kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager,
     )  # fmt: skip
     config = llm.llm_engine.vllm_config.cache_config
     capacity = int(config.num_gpu_blocks * config.block_size)
@@ -92,6 +94,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", help="vLLM's kv_cache_dtype: auto (model dtype), fp8, fp8_e5m2")
     parser.add_argument("--kv-space", default="2", help="VLLM_CPU_KVCACHE_SPACE (GiB)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="chunked-prefill token budget per step")
+    parser.add_argument("--enforce-eager", action="store_true", help="no torch.compile for any model")
     parser.add_argument("--out", default="benchmarks/results-vllm.md")
     args = parser.parse_args()
     models = dict(spec.split("=", 1) for spec in args.model)
@@ -104,7 +107,7 @@ def main() -> None:
     for name, directory in models.items():  # started one after the other: their start-up is not timed
         procs[name] = subprocess.Popen(
             [sys.executable, __file__, WORKER, directory, args.dtype, str(max(lengths) + args.new_tokens + 16), str(args.concurrency),
-             str(args.max_num_batched_tokens), args.kv_cache_dtype],
+             str(args.max_num_batched_tokens), args.kv_cache_dtype, str(int(args.enforce_eager))],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
         )  # fmt: skip
         info[name] = answer(procs[name])
@@ -146,7 +149,8 @@ def write_results(args, models: dict, info: dict, rates: dict, lengths: list[int
         f"vLLM {vllm.__version__}, dtype {args.dtype}, KV cache dtype {args.kv_cache_dtype}, "
         f"VLLM_CPU_KVCACHE_SPACE={args.kv_space} GiB, {args.concurrency} concurrent "
         f"sequences, {args.new_tokens} new tokens each, {args.repeats} interleaved repeats (medians), prefix caching off, "
-        f"chunked prefill at {args.max_num_batched_tokens} tokens a step; "
+        f"chunked prefill at {args.max_num_batched_tokens} tokens a step, "
+        f"{'eager (enforce_eager)' if args.enforce_eager else 'vLLM default compilation'}; "
         f"{os.cpu_count()} CPUs (shared with other work: absolute figures vary, ratios are of interleaved runs).",
         "",
         "| model | KV capacity (tokens) | vs " + base + " | " + " | ".join(f"output tok/s, prompt {l}" for l in lengths) + " | "
@@ -176,6 +180,6 @@ def write_results(args, models: dict, info: dict, rates: dict, lengths: list[int
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == WORKER:
-        worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), sys.argv[7])
+        worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), sys.argv[7], sys.argv[8] == "1")
     else:
         main()

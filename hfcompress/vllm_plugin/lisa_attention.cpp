@@ -301,8 +301,10 @@ const float* value_tile(const Context& c, int64_t blk, int64_t off, int64_t kv, 
   return scratch;
 }
 
-void attend_item(const Context& c, int64_t req, int64_t row0, int64_t rows, Scratch& s) {
+// Query rows [row0, row0 + rows) of request `req`, the query heads of KV heads [kv0, kv1)
+void attend_item(const Context& c, int64_t req, int64_t row0, int64_t rows, int64_t kv0, int64_t kv1, Scratch& s) {
   const int64_t H = c.heads, W = c.width, d = c.d, bs = c.block, ld = c.ld;
+  const int64_t h0 = kv0 * c.group, h1 = kv1 * c.group;
   const int64_t first = c.query_start[req];
   const int64_t count = std::min(c.query_start[req + 1], c.num_tokens) - first;
   const int64_t pos0 = c.seq_lens[req] - count + row0;  // key position of the first row
@@ -311,7 +313,7 @@ void attend_item(const Context& c, int64_t req, int64_t row0, int64_t rows, Scra
   constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
   s.q.resize(H * rows * W);  // [head][row][feature]
-  for (int64_t h = 0; h < H; ++h)
+  for (int64_t h = h0; h < h1; ++h)
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t i = 0; i < W; ++i) s.q[(h * rows + r) * W + i] = load_io(c.query, c.io_format, ((first + row0 + r) * H + h) * W + i);
   s.o.assign(H * rows * d, 0.0f);
@@ -330,16 +332,18 @@ void attend_item(const Context& c, int64_t req, int64_t row0, int64_t rows, Scra
   for (const Part& part : c.parts)
     for (const std::vector<int>& readers : part.readers) {
       s.part_rows.push_back(s.s_rows.size());
-      for (int h : readers)
+      for (int h : readers) {
+        if (h < h0 || h >= h1) continue;
         for (int64_t r = 0; r < rows; ++r) {
           s.s_rows.push_back(s.s.data() + (h * rows + r) * ld);
           s.q_rows.push_back(s.q.data() + (h * rows + r) * W + part.q_offset);
         }
+      }
     }
   s.part_rows.push_back(s.s_rows.size());
   s.o_rows.clear();
   s.p_rows.clear();
-  for (int64_t h = 0; h < H; ++h)  // heads in order: KV head kv's are rows [kv * group * rows, (kv + 1) * group * rows)
+  for (int64_t h = h0; h < h1; ++h)  // in order: KV head kv's are rows [(kv - kv0) * group * rows, + group * rows)
     for (int64_t r = 0; r < rows; ++r) {
       s.o_rows.push_back(s.o.data() + (h * rows + r) * d);
       s.p_rows.push_back(s.s.data() + (h * rows + r) * ld);
@@ -364,7 +368,7 @@ void attend_item(const Context& c, int64_t req, int64_t row0, int64_t rows, Scra
       }
     }
     // masked online softmax: S becomes the block's probabilities (0 where hidden) relative to the running maximum
-    for (int64_t h = 0; h < H; ++h)
+    for (int64_t h = h0; h < h1; ++h)
       for (int64_t r = 0; r < rows; ++r) {
         float* row = s.s.data() + (h * rows + r) * ld;
         const int64_t pos = pos0 + r;
@@ -399,14 +403,15 @@ void attend_item(const Context& c, int64_t req, int64_t row0, int64_t rows, Scra
       }
     const int64_t vblk = c.v_table[req * c.v_table_stride + k0 / c.v_block], voff = k0 % c.v_block;
     const size_t per_kv = c.group * rows;
-    for (int64_t kv = 0; kv < H / c.group; ++kv) {
+    for (int64_t kv = kv0; kv < kv1; ++kv) {
       int64_t ldv;
       const float* values = value_tile(c, vblk, voff, kv, jlo, n, s.values.data(), ldv);
-      over_rows<Values>(per_kv, s.o_rows.data() + kv * per_kv, s.p_rows.data() + kv * per_kv, values, ldv, jlo, n,
+      const size_t at = (kv - kv0) * per_kv;
+      over_rows<Values>(per_kv, s.o_rows.data() + at, s.p_rows.data() + at, values, ldv, jlo, n,
                         static_cast<int>(d));
     }
   }
-  for (int64_t h = 0; h < H; ++h)
+  for (int64_t h = h0; h < h1; ++h)
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t k = h * rows + r;
       const float inv = 1.0f / s.l[k];
@@ -512,18 +517,22 @@ void lisa_attention(const at::Tensor& query, const at::Tensor& output, const at:
   c.v_table = value_table.data_ptr<int32_t>();
   c.v_table_stride = value_table.stride(0);
 
-  // work items: (request, tile of query rows); a decode request is one item
-  std::vector<std::pair<int64_t, int64_t>> items;
+  // work items: (request, tile of query rows), all heads (a key tile is read once for all the heads that read it); with
+  // fewer items than threads, one item per KV head's query heads
+  const int64_t kv = c.heads / c.group;
+  std::vector<std::pair<int64_t, int64_t>> tiles;
   for (int64_t r = 0; r < requests; ++r) {
     const int64_t count = std::min(c.query_start[r + 1], num_tokens) - c.query_start[r];
-    for (int64_t row = 0; row < count; row += ROW_TILE) items.emplace_back(r, row);
+    for (int64_t row = 0; row < count; row += ROW_TILE) tiles.emplace_back(r, row);
   }
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+  const int64_t ways = static_cast<int64_t>(tiles.size()) < at::get_num_threads() ? kv : 1;
+  at::parallel_for(0, static_cast<int64_t>(tiles.size()) * ways, 1, [&](int64_t begin, int64_t end) {
     thread_local Scratch scratch;
     for (int64_t i = begin; i < end; ++i) {
-      const auto [r, row] = items[i];
+      const auto [r, row] = tiles[i / ways];
       const int64_t count = std::min(c.query_start[r + 1], num_tokens) - c.query_start[r];
-      attend_item(c, r, row, std::min<int64_t>(ROW_TILE, count - row), scratch);
+      const int64_t kv0 = ways == 1 ? 0 : i % ways, kv1 = ways == 1 ? kv : kv0 + 1;
+      attend_item(c, r, row, std::min<int64_t>(ROW_TILE, count - row), kv0, kv1, scratch);
     }
   });
 }

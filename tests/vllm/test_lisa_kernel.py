@@ -51,6 +51,18 @@ def test_kernel_matches_the_torch_reference_fp32(shape):
     torch.testing.assert_close(kernel_out, torch_out, rtol=1e-5, atol=1e-5)
 
 
+def test_kernel_splits_heads_across_threads():
+    """Fewer (request, row tile) items than threads: one item per KV head's query heads, in parallel."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for requests in ([(300, 1)], [(75, 20)]):
+            kernel_out, torch_out = run_both(random_problem(requests, window=50))
+            torch.testing.assert_close(kernel_out, torch_out, rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("kv_cache_dtype", sorted(FP8_FORMATS))
 def test_kernel_matches_the_torch_reference_fp8(kv_cache_dtype):
     """fp8 caches dequantized as read (the format's value times each layer's k scale, this layer's v scale)."""

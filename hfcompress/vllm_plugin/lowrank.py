@@ -344,8 +344,10 @@ def lisa_kernel() -> bool:
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a failed build: serve with the torch path
         if choice == "kernel":
             raise UnservableModel(f"HFCOMPRESS_VLLM_ATTENTION=kernel: the C++ LISA attention kernel did not build: {exc}") from exc
+        lines = str(exc).strip().splitlines()
+        reason = next((l.strip() for l in lines if "error:" in l or "not found" in l), lines[0][:200] if lines else type(exc).__name__)
         logger.warning("hfcompress: the C++ LISA attention kernel is unavailable (%s); shared layers attend in torch "
-                       "(slower).", str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)  # fmt: skip
+                       "(slower).", reason)  # fmt: skip
         return False
     return True
 

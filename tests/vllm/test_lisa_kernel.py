@@ -8,6 +8,10 @@ caches. Runs in .venv-vllm."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -91,3 +95,13 @@ def test_kernel_in_half_precision_is_at_least_as_close_as_the_reference(dtype):
     torch_error = (torch_out.float() - exact_out[: problem.n]).abs().max()
     assert kernel_error <= torch_error, (kernel_error, torch_error)
     assert kernel_error <= 2 * torch.finfo(dtype).eps * exact_out.abs().max()
+
+
+def test_without_a_compiler_the_plugin_warns_once_and_attends_in_torch(tmp_path):
+    """A failed build (here: no compiler, an empty extension cache) is one warning and the torch path, not an error."""
+    code = "from hfcompress.vllm_plugin.lowrank import lisa_kernel; print(lisa_kernel(), lisa_kernel())"
+    env = dict(os.environ, CXX=str(tmp_path / "no-g++"), TORCH_EXTENSIONS_DIR=str(tmp_path), HFCOMPRESS_VLLM_ATTENTION="auto")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["False", "False"]
+    assert proc.stderr.count("the C++ LISA attention kernel is unavailable") == 1

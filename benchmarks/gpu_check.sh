@@ -8,8 +8,12 @@
 #   3. the kernel tests (tests/test_kernels.py: Triton interpreter vs torch reference, sm_90 compiles)
 #   4. `hfcompress convert` of the built-in SmolLM2 with --device cuda (layers onloaded to the GPU for every
 #      statistic, fit and conversion; speed side by side on the GPU), then every figure from its report
+#   5. vLLM on the GPU, where a CUDA vllm is installed (in .venv-gpu's Python, or HFCOMPRESS_VLLM_PYTHON): the plugin
+#      serves step 4's model with vLLM's GPU attention backends; its perplexity through the engine against the
+#      transformers path (`hfcompress eval --engine vllm`), then benchmarks/vllm_throughput.py, the original and the
+#      converted model side by side (KV capacity in the same GPU memory share, output tok/s at prompts of 512 and 2,048)
 # Output: $OUT (default benchmarks/gpu-check/) holds machine.txt, kernel_speed.txt, test_kernels.txt, convert.log,
-# report.json and summary.md.
+# report.json, summary.md and, with vLLM, vllm_eval.txt and vllm_throughput.md.
 #
 #   benchmarks/gpu_check.sh                       # with network: installs what the machine lacks from PyPI
 #   benchmarks/gpu_wheels.sh && benchmarks/gpu_check.sh   # offline machine: wheels fetched here beforehand, carried in .whl/
@@ -50,5 +54,22 @@ echo "convert exit code ${PIPESTATUS[0]}, $(( $(date +%s) - start )) s"
 if [ -f "$OUT/smollm2-lisa/hfcompress_report.json" ]; then
   cp "$OUT/smollm2-lisa/hfcompress_report.json" "$OUT/report.json"
   $VPY benchmarks/summary.py --from-report "$OUT/report.json" | tee "$OUT/summary.md"
-  rm -rf "$OUT/smollm2-lisa"  # the weights need not come back; the report and summary do
 fi
+
+echo "== vLLM on the GPU (the hfcompress plugin)"
+VLLM_PY=${HFCOMPRESS_VLLM_PYTHON:-$VPY}
+if [ ! -f "$OUT/smollm2-lisa/config.json" ]; then
+  echo "skipped: step 4 wrote no converted model" | tee "$OUT/vllm_eval.txt"
+elif ! "$VLLM_PY" -c "import vllm" 2>/dev/null; then
+  echo "skipped: $VLLM_PY has no vllm (install a CUDA vllm there, or set HFCOMPRESS_VLLM_PYTHON to a Python with one)" | tee "$OUT/vllm_eval.txt"
+else
+  [ "$VLLM_PY" = "$VPY" ] || "$VLLM_PY" -m pip install -q --no-deps -e .  # the plugin's entry point in vLLM's Python
+  $VPY -c "from hfcompress.source import BUILTIN_SOURCE, load_source, resolve_source; m, t = load_source(resolve_source(BUILTIN_SOURCE)); m.float().save_pretrained('$OUT/smollm2-original'); t.save_pretrained('$OUT/smollm2-original')"
+  HFCOMPRESS_VLLM_PYTHON=$VLLM_PY timeout 300 $VPY -m hfcompress.cli eval "$OUT/smollm2-lisa" --engine vllm --no-probe \
+    --json "$OUT/vllm_eval.json" 2>&1 | tail -20 | tee "$OUT/vllm_eval.txt"
+  timeout 420 "$VLLM_PY" benchmarks/vllm_throughput.py --model original="$OUT/smollm2-original" \
+    --model converted="$OUT/smollm2-lisa" --prompt-lens 512,2048 --concurrency 16 --new-tokens 64 --repeats 3 \
+    --gpu-memory-utilization 0.4 --out "$OUT/vllm_throughput.md" 2>&1 | tail -30
+  rm -rf "$OUT/smollm2-original"
+fi
+rm -rf "$OUT/smollm2-lisa"  # the weights need not come back; the report and summaries do

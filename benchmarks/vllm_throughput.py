@@ -5,7 +5,7 @@ VLLM_CPU_KVCACHE_SPACE). Runs in .venv-vllm (scripts/install_vllm.sh):
     OMP_NUM_THREADS=2 .venv-vllm/bin/python benchmarks/vllm_throughput.py --model original=DIR --model converted=DIR2 \
         [--model other=DIR3 ...] [--prompt-lens 512,2048] [--concurrency 16] [--new-tokens 64] [--repeats 3] \
         [--dtype float32] [--kv-cache-dtype auto] [--kv-space 2] [--max-num-batched-tokens 2048] [--enforce-eager] \
-        [--out benchmarks/results-vllm.md]
+        [--gpu-memory-utilization 0.9] [--out benchmarks/results-vllm.md]
 
 Each model gets one engine in its own process, started once (alive side by side); the timed rounds are interleaved
 (original, converted, ..., the order rotating each repeat) and the medians reported. A round is one `generate` of
@@ -31,7 +31,7 @@ WORKER = "--worker"
 
 
 def worker(model: str, dtype: str, max_len: int, concurrency: int, batched_tokens: int, kv_cache_dtype: str,
-           enforce_eager: bool) -> None:  # fmt: skip
+           enforce_eager: bool, gpu_memory_utilization: float) -> None:  # fmt: skip
     """One engine; reads `PROMPT_LEN NEW_TOKENS SEED` lines, answers one JSON line each."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -41,6 +41,7 @@ def worker(model: str, dtype: str, max_len: int, concurrency: int, batched_token
     llm = LLM(
         model=model, dtype=dtype, max_model_len=max_len, max_num_seqs=concurrency, enable_prefix_caching=False, seed=0,
         max_num_batched_tokens=batched_tokens, kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager,
+        gpu_memory_utilization=gpu_memory_utilization,
     )  # fmt: skip
     config = llm.llm_engine.vllm_config.cache_config
     capacity = int(config.num_gpu_blocks * config.block_size)
@@ -95,6 +96,8 @@ def main() -> None:
     parser.add_argument("--kv-space", default="2", help="VLLM_CPU_KVCACHE_SPACE (GiB)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="chunked-prefill token budget per step")
     parser.add_argument("--enforce-eager", action="store_true", help="no torch.compile for any model")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="on a GPU, each engine's share of its memory (the engines run side by side: below 1 / models)")
     parser.add_argument("--out", default="benchmarks/results-vllm.md")
     args = parser.parse_args()
     models = dict(spec.split("=", 1) for spec in args.model)
@@ -107,7 +110,7 @@ def main() -> None:
     for name, directory in models.items():  # started one after the other: their start-up is not timed
         procs[name] = subprocess.Popen(
             [sys.executable, __file__, WORKER, directory, args.dtype, str(max(lengths) + args.new_tokens + 16), str(args.concurrency),
-             str(args.max_num_batched_tokens), args.kv_cache_dtype, str(int(args.enforce_eager))],
+             str(args.max_num_batched_tokens), args.kv_cache_dtype, str(int(args.enforce_eager)), str(args.gpu_memory_utilization)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
         )  # fmt: skip
         info[name] = answer(procs[name])
@@ -180,6 +183,7 @@ def write_results(args, models: dict, info: dict, rates: dict, lengths: list[int
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == WORKER:
-        worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), sys.argv[7], sys.argv[8] == "1")
+        worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), sys.argv[7], sys.argv[8] == "1",
+               float(sys.argv[9]))
     else:
         main()

@@ -3,7 +3,7 @@
 [--kv-cache-dtype fp8] MODEL_DIR REFERENCE.json RESULT.json` (or `--capacity MODEL_DIR`).
 
 Engine: fp32 (unless --dtype, vLLM's model dtype, says e.g. bfloat16; the KV cache at the model's dtype unless
---kv-cache-dtype, vLLM's option, says e.g. fp8), chunked prefill with a small
+--kv-cache-dtype, vLLM's option, says e.g. fp8), eager (`--enforce-eager 0`: compiled, vLLM's default), chunked prefill with a small
 token budget (long prompts are prefilled in several chunks), prefix caching, 16 concurrent sequences. The prompts are
 served in two calls: the first 8, then all 32, so the second call's prompts that repeat a prompt or its prefix are
 prefix-cache hits (counted from vLLM's num_cached_tokens).
@@ -20,25 +20,26 @@ import sys
 from hfcompress.vllm_plugin import exit_cleanly
 
 
-def engine(model_dir: str, max_model_len: int, chunk: int = 64, kv_cache_dtype: str = "auto", dtype: str = "float32"):
+def engine(model_dir: str, max_model_len: int, chunk: int = 64, kv_cache_dtype: str = "auto", dtype: str = "float32",
+           eager: bool = True):  # fmt: skip
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
 
     return LLM(
-        model=model_dir, dtype=dtype, enforce_eager=True, enable_chunked_prefill=True, enable_prefix_caching=True,
+        model=model_dir, dtype=dtype, enforce_eager=eager, enable_chunked_prefill=True, enable_prefix_caching=True,
         max_num_batched_tokens=chunk, max_num_seqs=16, block_size=32, max_model_len=max_model_len, seed=0,
         kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip
 
 
 def main(model_dir: str, reference_path: str, result_path: str, kv_cache_dtype: str = "auto",
-         dtype: str = "float32") -> None:  # fmt: skip
+         dtype: str = "float32", eager: bool = True) -> None:  # fmt: skip
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     reference = json.loads(open(reference_path).read())
     prompts, tokens, logprobs = reference["prompts"], reference["tokens"], reference["logprobs"]
-    llm = engine(model_dir, max(len(p) for p in prompts) + 16, kv_cache_dtype=kv_cache_dtype, dtype=dtype)
+    llm = engine(model_dir, max(len(p) for p in prompts) + 16, kv_cache_dtype=kv_cache_dtype, dtype=dtype, eager=eager)
     params = SamplingParams(temperature=0.0, max_tokens=len(tokens[0]), logprobs=1, ignore_eos=True)
     first = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:8]], params, use_tqdm=False)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
@@ -94,13 +95,13 @@ def layout(llm_engine) -> dict:
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    options = {"--dtype": "float32", "--kv-cache-dtype": "auto"}
+    options = {"--dtype": "float32", "--kv-cache-dtype": "auto", "--enforce-eager": "1"}
     while args[0] in options:
         options[args[0]], args = args[1], args[2:]
-    dtype, kv_cache_dtype = options["--dtype"], options["--kv-cache-dtype"]
+    dtype, kv_cache_dtype, eager = options["--dtype"], options["--kv-cache-dtype"], options["--enforce-eager"] == "1"
     if args[0] == "--capacity":  # the same engine, nothing served: {"kv_capacity_tokens": N} on the last line
         llm = engine(args[1], 316, kv_cache_dtype=kv_cache_dtype, dtype=dtype)
         print(json.dumps({"kv_capacity_tokens": kv_capacity(llm.llm_engine)}), flush=True)
         exit_cleanly(llm)
     else:
-        main(*args[:3], kv_cache_dtype=kv_cache_dtype, dtype=dtype)
+        main(*args[:3], kv_cache_dtype=kv_cache_dtype, dtype=dtype, eager=eager)

@@ -38,10 +38,12 @@ TINY = ["llama", "llama-own", "mistral", "qwen2", "qwen3", "gemma3"]
 
 
 def check(models: Path, name: str, env: dict[str, str] | None = None, kv_cache_dtype: str = "auto",
-          dtype: str = "float32") -> dict:  # fmt: skip
+          dtype: str = "float32", eager: bool = True) -> dict:  # fmt: skip
     build_references(models, TINY if name in TINY else [name.removesuffix("-original")])
-    out = models / f"{name}{''.join('.' + v for v in (env or {}).values())}.{dtype}.{kv_cache_dtype}.result.json"
-    options = ["--dtype", dtype, "--kv-cache-dtype", kv_cache_dtype, str(models / name), str(models / f"{name}.json")]
+    variant = f"{''.join('.' + v for v in (env or {}).values())}.{dtype}.{kv_cache_dtype}{'' if eager else '.compiled'}"
+    out = models / f"{name}{variant}.result.json"
+    options = ["--dtype", dtype, "--kv-cache-dtype", kv_cache_dtype, "--enforce-eager", str(int(eager)),
+               str(models / name), str(models / f"{name}.json")]  # fmt: skip
     proc = serve([str(HERE / "serve_check.py"), *options, str(out)], env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
@@ -73,6 +75,13 @@ def test_tiny_family_is_exact(vllm_models, name):
     # every shared layer (llama-own's head matching crosses KV groups) caches its low-rank keys and V
     shared = [v for v in result["kv_layout"].values() if v not in ("plain", "dropped")]
     assert shared and all(v.startswith("lowrank") for v in shared), result["kv_layout"]
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_compiled_model_is_exact(vllm_models, name):
+    """vLLM's default, compiled (the plugin's LisaModel is compiled as vLLM's own Llama is; its attention ops stay
+    opaque): as exact against the remote code as eager."""
+    assert_exact(check(vllm_models, name, eager=False))
 
 
 @pytest.mark.parametrize("name, layout", [("llama", "grouped"), ("llama-own", "own")])

@@ -112,24 +112,25 @@ inline float max_of(vec v) {
   return m;
 }
 
-// S[r][0:cols] (+)= sum_i Q[r][i] * K[i][0:cols] for R rows given by pointers, cols a multiple of LANES: C vectors of
-// columns at a time, the R x C accumulators in registers
+// Out[r][j:j+C*LANES] (+)= sum_{i0 <= i < i1} A[r][i] * M[i][j:...] for R rows given by pointers: C vectors of
+// columns at a time, the R x C accumulators in registers. Scores: A the queries, M the (transposed) keys; values: A the
+// probabilities, M the values.
 template <int R, int C>
-inline void scores_tile(float* const* S, const float* const* Q, const float* K, int64_t ldk, int width, int64_t j,
-                        bool accumulate) {
+inline void rank_update_tile(float* const* Out, const float* const* A, const float* M, int64_t ldm, int64_t i0,
+                             int64_t i1, int64_t j, bool accumulate) {
   vec acc[R][C];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = accumulate ? load(S[r] + j + c * LANES) : vec{};
-  for (int i = 0; i < width; ++i) {
-    vec k[C];
-    for (int c = 0; c < C; ++c) k[c] = load(K + i * ldk + j + c * LANES);
+    for (int c = 0; c < C; ++c) acc[r][c] = accumulate ? load(Out[r] + j + c * LANES) : vec{};
+  for (int64_t i = i0; i < i1; ++i) {
+    vec m[C];
+    for (int c = 0; c < C; ++c) m[c] = load(M + i * ldm + j + c * LANES);
     for (int r = 0; r < R; ++r) {
-      const float q = Q[r][i];
-      for (int c = 0; c < C; ++c) acc[r][c] += q * k[c];
+      const float a = A[r][i];
+      for (int c = 0; c < C; ++c) acc[r][c] += a * m[c];
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) store(S[r] + j + c * LANES, acc[r][c]);
+    for (int c = 0; c < C; ++c) store(Out[r] + j + c * LANES, acc[r][c]);
 }
 
 template <int R>
@@ -137,37 +138,18 @@ struct Scores {
   static void run(float* const* S, const float* const* Q, const float* K, int64_t ldk, int width, int64_t cols,
                   bool accumulate) {
     int64_t j = 0;
-    for (; j + 2 * LANES <= cols; j += 2 * LANES) scores_tile<R, 2>(S, Q, K, ldk, width, j, accumulate);
-    if (j < cols) scores_tile<R, 1>(S, Q, K, ldk, width, j, accumulate);
+    for (; j + 2 * LANES <= cols; j += 2 * LANES) rank_update_tile<R, 2>(S, Q, K, ldk, 0, width, j, accumulate);
+    if (j < cols) rank_update_tile<R, 1>(S, Q, K, ldk, 0, width, j, accumulate);
   }
 };
-
-// O[r][j:j+C*LANES] += sum_{p0 <= p < p1} P[r][p] * V[p][j:...] for R rows given by pointers
-template <int R, int C>
-inline void values_tile(float* const* O, const float* const* P, const float* V, int64_t ldv, int64_t p0, int64_t p1,
-                        int64_t j) {
-  vec acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = load(O[r] + j + c * LANES);
-  for (int64_t p = p0; p < p1; ++p) {
-    vec v[C];
-    for (int c = 0; c < C; ++c) v[c] = load(V + p * ldv + j + c * LANES);
-    for (int r = 0; r < R; ++r) {
-      const float w = P[r][p];
-      for (int c = 0; c < C; ++c) acc[r][c] += w * v[c];
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) store(O[r] + j + c * LANES, acc[r][c]);
-}
 
 template <int R>
 struct Values {
   static void run(float* const* O, const float* const* P, const float* V, int64_t ldv, int64_t p0, int64_t p1, int d) {
     int64_t j = 0;
-    for (; j + 2 * LANES <= d; j += 2 * LANES) values_tile<R, 2>(O, P, V, ldv, p0, p1, j);
+    for (; j + 2 * LANES <= d; j += 2 * LANES) rank_update_tile<R, 2>(O, P, V, ldv, p0, p1, j, true);
     if (j + LANES <= d) {
-      values_tile<R, 1>(O, P, V, ldv, p0, p1, j);
+      rank_update_tile<R, 1>(O, P, V, ldv, p0, p1, j, true);
       j += LANES;
     }
     for (; j < d; ++j)  // a head size not a multiple of LANES (tiny test models)

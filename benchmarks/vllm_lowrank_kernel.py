@@ -45,12 +45,13 @@ def main() -> None:
     problem = random_problem(requests, chain=((3, 20),) * args.chain, block=args.block, dtype=getattr(torch, args.dtype),
                              kv_cache_dtype=args.kv_cache_dtype, scales=(1.0,) * (args.chain + 2))  # fmt: skip
     outputs = {"kernel": problem.output(), "torch": problem.output()}
+    concatenated = problem.query.concatenated()  # the torch path's query (the op builds it outside the timing too)
 
     def kernel() -> None:
         kernel_attention(problem.layer, problem.sources, problem.query, outputs["kernel"], problem.meta, problem.n)
 
     def reference() -> None:
-        torch_attention(problem.layer, problem.sources, problem.query, outputs["torch"], problem.meta, problem.n)
+        torch_attention(problem.layer, problem.sources, concatenated, outputs["torch"], problem.meta, problem.n)
 
     methods = {"kernel": kernel, "torch": reference}
     times: dict[str, list[float]] = {name: [] for name in methods}

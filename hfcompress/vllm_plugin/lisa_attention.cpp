@@ -1,11 +1,16 @@
 // The attention of a LISA shared layer (lowrank layout) on CPU, reading vLLM's paged caches in place.
 // Reference and fallback: lowrank.attend (torch). Built at first use by lowrank.lisa_kernel (torch cpp_extension).
 //
-// Per (request, tile of query rows, query heads) it walks the request's block table: per block, the scores of its key
-// positions are the sum over the key parts (the root's K, transposed per block in the CPU backend's cache, and the
-// low-rank keys of the chain's shared layers, rows of their caches) of query part . key part, masked causally (and by
-// the window), then an online (flash-style) softmax and the values of this layer's own cache. Everything is computed
-// in fp32; caches may be fp32, bf16, fp16 or fp8 bytes (e4m3 / e5m2, times the layer's scale).
+// A shared layer scores query head h as S[h] = scale[h] * S_below[source[h]] + own[h] . k_lr[key(h)]: the layer below's
+// scores of its head source[h] (its query features below[source[h]] against the key parts below this layer: the
+// root's K, transposed per block in the CPU backend's cache, and the low-rank keys of the chain's earlier shared
+// layers, rows of their caches), scaled, plus this layer's low-rank term. Align maps several heads to one source (on
+// SmolLM2 4 to 6 sources for 9 heads), so S_below is computed once per source, not per head: fewer multiply-adds
+// than a full layer's attention.
+//
+// Per (request, tile of query rows, query heads) it walks the request's block table: per block, those scores, masked
+// causally (and by the window), then an online (flash-style) softmax and the values of this layer's own cache.
+// Everything is computed in fp32; caches may be fp32, bf16, fp16 or fp8 bytes (e4m3 / e5m2, times the layer's scale).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -198,8 +203,8 @@ struct Part {
   int format;
   int64_t block, block_stride, pos_stride, elem_stride;  // its block size; strides in elements
   std::vector<int64_t> head_base;                 // per part head, its offset in a block (elements)
-  std::vector<std::vector<int>> readers;          // per part head, the query heads reading it
-  int width, q_offset;
+  std::vector<std::vector<int>> readers;          // per part head, the heads reading it (below heads; own: query heads)
+  int width, q_offset;  // q_offset: its features' offset in the query it is scored with (below's, or own)
   float scale;
   const int32_t* table;
   int64_t table_stride;
@@ -207,13 +212,16 @@ struct Part {
 };
 
 struct Context {
-  const char* query;
+  const char* below;  // (T, H, below_width): the layer below's query features
+  const char* own;    // (T, H, own_width): this layer's low-rank queries
   char* output;
   int io_format;
-  int64_t heads, width, d, block, ld, group, window, num_tokens;  // block: the tile of key positions walked
+  int64_t heads, below_width, own_width, d, block, ld, group, window, num_tokens;  // block: the tile of key positions
+  std::vector<int64_t> source;  // per query head, the below head whose scores it takes, times align_scale
+  std::vector<float> align_scale;
   const int64_t* query_start;
   const int64_t* seq_lens;
-  std::vector<Part> parts;
+  std::vector<Part> parts;  // the parts below this layer, then its own (last)
   // this layer's own cache: V per position at value_offset
   const char* v_data;
   int v_format;
@@ -224,7 +232,8 @@ struct Context {
 };
 
 struct Scratch {
-  std::vector<float> q, o, m, l, s, keys, values;
+  std::vector<float> qb, qo, o, m, l, b, s, keys, values;
+  std::vector<int64_t> slot_of, sources;          // per below head, its slot (-1: unread); per slot, its below head
   std::vector<float*> s_rows, o_rows;             // per part head's readers (then per KV head's), their rows
   std::vector<const float*> q_rows, p_rows;
   std::vector<size_t> part_rows;                  // per (part, part head): where its rows start in s_rows / q_rows
@@ -285,43 +294,70 @@ const float* value_tile(const Context& c, int64_t blk, int64_t off, int64_t kv, 
 
 // Query rows [row0, row0 + rows) of request `req`, the query heads of KV heads [kv0, kv1)
 void attend_item(const Context& c, int64_t req, int64_t row0, int64_t rows, int64_t kv0, int64_t kv1, Scratch& s) {
-  const int64_t H = c.heads, W = c.width, d = c.d, bs = c.block, ld = c.ld;
+  const int64_t H = c.heads, Wb = c.below_width, Wo = c.own_width, d = c.d, bs = c.block, ld = c.ld;
   const int64_t h0 = kv0 * c.group, h1 = kv1 * c.group;
   const int64_t first = c.query_start[req];
   const int64_t count = std::min(c.query_start[req + 1], c.num_tokens) - first;
   const int64_t pos0 = c.seq_lens[req] - count + row0;  // key position of the first row
   const int64_t hi = pos0 + rows - 1;
   const int64_t lo = c.window > 0 ? std::max<int64_t>(0, pos0 - c.window + 1) : 0;
+  const size_t P = c.parts.size();
   constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
-  s.q.resize(H * rows * W);  // [head][row][feature]
+  // the below heads these query heads read, one slot each: their scores are computed once
+  s.slot_of.assign(H, -1);
+  s.sources.clear();
+  for (int64_t h = h0; h < h1; ++h) {
+    const int64_t u = c.source[h];
+    if (s.slot_of[u] < 0) {
+      s.slot_of[u] = static_cast<int64_t>(s.sources.size());
+      s.sources.push_back(u);
+    }
+  }
+  const int64_t U = static_cast<int64_t>(s.sources.size());
+  s.qb.resize(U * rows * Wb);  // [slot][row][feature]
+  for (int64_t u = 0; u < U; ++u)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < Wb; ++i)
+        s.qb[(u * rows + r) * Wb + i] = load_io(c.below, c.io_format, ((first + row0 + r) * H + s.sources[u]) * Wb + i);
+  s.qo.resize(H * rows * Wo);  // [head][row][feature]
   for (int64_t h = h0; h < h1; ++h)
     for (int64_t r = 0; r < rows; ++r)
-      for (int64_t i = 0; i < W; ++i) s.q[(h * rows + r) * W + i] = load_io(c.query, c.io_format, ((first + row0 + r) * H + h) * W + i);
+      for (int64_t i = 0; i < Wo; ++i) s.qo[(h * rows + r) * Wo + i] = load_io(c.own, c.io_format, ((first + row0 + r) * H + h) * Wo + i);
   s.o.assign(H * rows * d, 0.0f);
   s.m.assign(H * rows, NEG_INF);
   s.l.assign(H * rows, 0.0f);
+  s.b.resize(U * rows * ld);
   s.s.resize(H * rows * ld);
   int max_width = 0;
   for (const Part& part : c.parts) max_width = std::max(max_width, part.width);
   s.keys.resize(max_width * ld);
   s.values.resize(bs * d);
-  // the rows each part head's keys meet (all its readers' rows: GQA reads a key tile once for them all), and the rows
-  // each KV head's values meet
+  // the rows each part head's keys meet (all its readers' rows: a key tile is read once for them all): the below
+  // parts' into the slots' scores, the own part's into the query heads', and the rows each KV head's values meet
   s.s_rows.clear();
   s.q_rows.clear();
   s.part_rows.clear();
-  for (const Part& part : c.parts)
+  for (size_t pi = 0; pi < P; ++pi) {
+    const Part& part = c.parts[pi];
+    const bool own = pi + 1 == P;
     for (const std::vector<int>& readers : part.readers) {
       s.part_rows.push_back(s.s_rows.size());
-      for (int h : readers) {
-        if (h < h0 || h >= h1) continue;
+      for (int x : readers) {
+        const int64_t slot = own ? x : s.slot_of[x];
+        if (own ? (x < h0 || x >= h1) : slot < 0) continue;
         for (int64_t r = 0; r < rows; ++r) {
-          s.s_rows.push_back(s.s.data() + (h * rows + r) * ld);
-          s.q_rows.push_back(s.q.data() + (h * rows + r) * W + part.q_offset);
+          if (own) {
+            s.s_rows.push_back(s.s.data() + (slot * rows + r) * ld);
+            s.q_rows.push_back(s.qo.data() + (slot * rows + r) * Wo);
+          } else {
+            s.s_rows.push_back(s.b.data() + (slot * rows + r) * ld);
+            s.q_rows.push_back(s.qb.data() + (slot * rows + r) * Wb + part.q_offset);
+          }
         }
       }
     }
+  }
   s.part_rows.push_back(s.s_rows.size());
   s.o_rows.clear();
   s.p_rows.clear();
@@ -345,14 +381,19 @@ void attend_item(const Context& c, int64_t req, int64_t row0, int64_t rows, int6
         if (begin == end) continue;
         int64_t ldk;
         const float* keys = key_tile(c, part, blk, off, static_cast<int>(ph), n, s.keys.data(), ldk);
+        // below parts: the first writes the slots' scores, the next add to them; the own part writes the heads'
         over_rows<Scores>(end - begin, s.s_rows.data() + begin, s.q_rows.data() + begin, keys, ldk, part.width, cols,
-                          pi > 0);
+                          pi > 0 && pi + 1 < P);
       }
     }
-    // masked online softmax: S becomes the block's probabilities (0 where hidden) relative to the running maximum
+    // S = scale * S_below[source] + own term, then the masked online softmax: S becomes the block's probabilities (0
+    // where hidden) relative to the running maximum
     for (int64_t h = h0; h < h1; ++h)
       for (int64_t r = 0; r < rows; ++r) {
         float* row = s.s.data() + (h * rows + r) * ld;
+        const float* below = s.b.data() + (s.slot_of[c.source[h]] * rows + r) * ld;
+        const float scale = c.align_scale[h];
+        for (int64_t j = 0; j < cols; j += LANES) store(row + j, load(row + j) + scale * load(below + j));
         const int64_t pos = pos0 + r;
         const int64_t a = c.window > 0 ? std::max<int64_t>(jlo, pos - c.window + 1 - k0) : jlo;
         const int64_t z = std::min<int64_t>(n - 1, pos - k0);
@@ -401,28 +442,40 @@ void attend_item(const Context& c, int64_t req, int64_t row0, int64_t rows, int6
     }
 }
 
-void lisa_attention(const at::Tensor& query, const at::Tensor& output, const at::Tensor& query_start,
+void lisa_attention(const at::Tensor& below, const at::Tensor& source, const at::Tensor& align_scale,
+                    const at::Tensor& own, const at::Tensor& output, const at::Tensor& query_start,
                     const at::Tensor& seq_lens, int64_t num_tokens, int64_t window, at::TensorList caches,
                     at::TensorList tables, at::IntArrayRef roots, at::TensorList heads, at::IntArrayRef widths,
                     at::IntArrayRef per_cache_head, at::ArrayRef<double> scales, at::IntArrayRef fp8,
                     const at::Tensor& value_cache, const at::Tensor& value_table, int64_t value_offset, double value_scale,
                     int64_t value_fp8) {
-  TORCH_CHECK(query.dim() == 3 && query.is_contiguous() && output.dim() == 3 && output.is_contiguous(),
-              "hfcompress lisa_attention: query (T, H, W) and output (T, H, d) must be contiguous");
-  TORCH_CHECK(query.scalar_type() == output.scalar_type(), "hfcompress lisa_attention: query and output dtypes differ");
+  TORCH_CHECK(below.dim() == 3 && below.is_contiguous() && own.dim() == 3 && own.is_contiguous() && output.dim() == 3 &&
+              output.is_contiguous(), "hfcompress lisa_attention: below (T, H, Wb), own (T, H, r) queries and output (T, H, d) must be contiguous");
+  TORCH_CHECK(below.scalar_type() == output.scalar_type() && own.scalar_type() == output.scalar_type(),
+              "hfcompress lisa_attention: query and output dtypes differ");
+  TORCH_CHECK(own.size(0) == below.size(0) && own.size(1) == below.size(1) && output.size(1) == below.size(1),
+              "hfcompress lisa_attention: below, own and output differ in tokens or heads");
   TORCH_CHECK(query_start.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong && query_start.is_contiguous()
               && seq_lens.is_contiguous(), "hfcompress lisa_attention: query_start and seq_lens must be contiguous int64");
   const size_t P = caches.size();
-  TORCH_CHECK(P > 0 && tables.size() == P && roots.size() == P && heads.size() == P && widths.size() == P &&
+  TORCH_CHECK(P > 1 && tables.size() == P && roots.size() == P && heads.size() == P && widths.size() == P &&
               per_cache_head.size() == P && scales.size() == P && fp8.size() == P, "hfcompress lisa_attention: part lists differ in length");
   Context c;
-  c.query = static_cast<const char*>(query.data_ptr());
+  c.below = static_cast<const char*>(below.data_ptr());
+  c.own = static_cast<const char*>(own.data_ptr());
   c.output = static_cast<char*>(output.data_ptr());
-  const int io = format_of(query, 0);
-  TORCH_CHECK(io == F32 || io == BF16 || io == F16, "hfcompress lisa_attention: query dtype ", query.scalar_type());
+  const int io = format_of(below, 0);
+  TORCH_CHECK(io == F32 || io == BF16 || io == F16, "hfcompress lisa_attention: query dtype ", below.scalar_type());
   c.io_format = io;
-  c.heads = query.size(1);
-  c.width = query.size(2);
+  c.heads = below.size(1);
+  c.below_width = below.size(2);
+  c.own_width = own.size(2);
+  TORCH_CHECK(source.scalar_type() == at::kLong && source.numel() == c.heads && source.is_contiguous() &&
+              align_scale.scalar_type() == at::kFloat && align_scale.numel() == c.heads && align_scale.is_contiguous(),
+              "hfcompress lisa_attention: source (int64) and align_scale (float32) need one entry per query head");
+  c.source.assign(source.data_ptr<int64_t>(), source.data_ptr<int64_t>() + c.heads);
+  c.align_scale.assign(align_scale.data_ptr<float>(), align_scale.data_ptr<float>() + c.heads);
+  for (int64_t u : c.source) TORCH_CHECK(u >= 0 && u < c.heads, "hfcompress lisa_attention: source out of range");
   c.d = output.size(2);
   // key positions are walked in tiles of the smallest block size, which divides the others (vLLM splits its blocks
   // into the kernel block sizes a backend takes: a part's cache may have smaller blocks than this layer's)
@@ -450,8 +503,9 @@ void lisa_attention(const at::Tensor& query, const at::Tensor& output, const at:
     part.data = static_cast<const char*>(cache.data_ptr());
     part.format = format_of(cache, fp8[pi]);
     part.width = static_cast<int>(widths[pi]);
-    part.q_offset = static_cast<int>(offset);
-    offset += part.width;
+    const bool own_part = pi + 1 == P;
+    part.q_offset = own_part ? 0 : static_cast<int>(offset);
+    if (!own_part) offset += part.width;
     part.scale = static_cast<float>(scales[pi]);
     part.table = tables[pi].data_ptr<int32_t>();
     part.table_stride = tables[pi].stride(0);
@@ -476,15 +530,27 @@ void lisa_attention(const at::Tensor& query, const at::Tensor& output, const at:
     const at::Tensor& map = heads[pi];
     TORCH_CHECK(map.scalar_type() == at::kLong && map.numel() == c.heads && map.is_contiguous(),
                 "hfcompress lisa_attention: a part's head map has one int64 per query head");
+    // readers: a below part's heads are read by the below heads (query head h reads what its source reads), the
+    // own part's by the query heads
     part.readers.assign(part_heads, {});
+    std::vector<int64_t> read_by(c.heads, -1);  // below part: per below head, its part head
     for (int64_t h = 0; h < c.heads; ++h) {
       const int64_t ph = map.data_ptr<int64_t>()[h];
       TORCH_CHECK(ph >= 0 && ph < part_heads, "hfcompress lisa_attention: head map out of range");
-      part.readers[ph].push_back(static_cast<int>(h));
+      if (own_part) {
+        part.readers[ph].push_back(static_cast<int>(h));
+        continue;
+      }
+      const int64_t u = c.source[h];
+      TORCH_CHECK(read_by[u] < 0 || read_by[u] == ph, "hfcompress lisa_attention: part ", pi,
+                  ": query heads of one source read different heads");
+      if (read_by[u] < 0) part.readers[ph].push_back(static_cast<int>(u));
+      read_by[u] = ph;
     }
     c.parts.push_back(std::move(part));
   }
-  TORCH_CHECK(offset == c.width, "hfcompress lisa_attention: the parts' widths do not add up to the query's");
+  TORCH_CHECK(offset == c.below_width && c.parts.back().width == c.own_width,
+              "hfcompress lisa_attention: the parts' widths do not add up to the queries'");
   TORCH_CHECK(value_offset + c.d <= value_cache.size(3), "hfcompress lisa_attention: V past the cache row");
   TORCH_CHECK(value_table.scalar_type() == at::kInt && value_table.stride(1) == 1, "hfcompress lisa_attention: int32 table");
   c.v_data = static_cast<const char*>(value_cache.data_ptr());
@@ -523,7 +589,7 @@ void lisa_attention(const at::Tensor& query, const at::Tensor& output, const at:
 
 TORCH_LIBRARY(hfcompress, m) {
   m.def(
-      "lisa_attention(Tensor query, Tensor(a!) output, Tensor query_start, Tensor seq_lens, int num_tokens, int window, "
+      "lisa_attention(Tensor below, Tensor source, Tensor align_scale, Tensor own, Tensor(a!) output, Tensor query_start, Tensor seq_lens, int num_tokens, int window, "
       "Tensor[] caches, Tensor[] tables, int[] roots, Tensor[] heads, int[] widths, int[] per_cache_head, float[] scales, "
       "int[] fp8, Tensor value_cache, Tensor value_table, int value_offset, float value_scale, int value_fp8) -> ()");
   m.impl("lisa_attention", c10::DispatchKey::CPU, &lisa_attention);

@@ -3,9 +3,10 @@ and its V in their own widths, and reads the layer below's keys where they lie, 
 
 A shared layer l (sparse Align) scores query head h as
     S_l[h] = scale[h] S_{l-1}[source[h]] + q_lr[h] . k_lr[key(h)] / sqrt(r),
-one attention over concatenated features: the query [scale q_{l-1}[source] | q_lr / sqrt(r)] (built by the model), the
-key [K_root[root head of h] | k_lr of the chain's earlier shared layers | k_lr of this layer]. Only the last part is this
-layer's; the root's K sits in the root layer's cache (vLLM's CPU attention backend, read in its layout), the earlier
+one attention over concatenated features: the query [scale q_{l-1}[source] | q_lr / sqrt(r)], the key [K_root[root head
+of h] | k_lr of the chain's earlier shared layers | k_lr of this layer] (`SharedQuery`: the layer below's features,
+source, scale and q_lr / sqrt(r), as the model hands them; the kernel scores each source once). Only the last part is
+this layer's; the root's K sits in the root layer's cache (vLLM's CPU attention backend, read in its layout), the earlier
 shared layers' low-rank keys in their own caches (this module's layout). So a shared layer's cache per token and KV head
 is its low-rank keys (r, or g * r with one low-rank key per query head) and V (d): on SmolLM2 3 x (20 + 64) = 252 values
 a token against the original layer's 384, what the remote code holds.
@@ -173,6 +174,23 @@ class LowRankBackend(AttentionBackend):
 
 
 @dataclass
+class SharedQuery:
+    """A shared layer's query features, factored: head h's are [scale[h] * below[:, source[h]] | own[:, h]], so the
+    layer below's scores of a source read by several heads are computed once (the kernel)."""
+
+    below: torch.Tensor  # (t, H, width below): the layer below's query features
+    source: torch.Tensor  # (H,) int64
+    scale: torch.Tensor  # (H,)
+    own: torch.Tensor  # (t, H, r): this layer's rotated low-rank queries / sqrt(r)
+
+    def concatenated(self) -> torch.Tensor:
+        """(t, H, width): the features as one tensor (the torch path; the handoff to a shared layer above)."""
+        heads = self.source.numel()
+        scaled = self.below.index_select(1, self.source) * self.scale.to(self.below.dtype).view(1, heads, 1)
+        return torch.cat([scaled, self.own], dim=-1) if self.own.shape[-1] else scaled
+
+
+@dataclass
 class KeyPart:
     """One part of a shared layer's logical key: the root's K ("root": read from a CPU-backend cache) or an earlier /
     this shared layer's low-rank keys ("lowrank": read from a LowRankCacheAttention cache), and, per query head, which of
@@ -218,11 +236,13 @@ class LowRankCacheAttention(Attention):
         self.fp8 = FP8_FORMATS.get(self.kv_cache_dtype)  # None: the cache holds the model's dtype
         lisa_kernel()  # built (or loaded from torch's extension cache) while the engine starts, not at its first step
 
-    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """query (t, H, width) features, key (t, KV, key_width) this layer's low-rank keys as cached, value (t, KV, d):
-        the attention output (t, H, d)."""
-        output = torch.empty(query.shape[0], self.num_heads, self.head_dim, dtype=query.dtype, device=query.device)
-        torch.ops.vllm.hfcompress_lisa_attention(query, key, value, output, self.layer_name)
+    def attend(self, query: SharedQuery, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """key (t, KV, key_width) this layer's low-rank keys as cached, value (t, KV, d): the attention output (t, H,
+        d)."""
+        below = query.below
+        output = torch.empty(below.shape[0], self.num_heads, self.head_dim, dtype=below.dtype, device=below.device)
+        torch.ops.vllm.hfcompress_lisa_attention(below.contiguous(), query.source, query.scale, query.own.contiguous(), key,
+                                                 value, output, self.layer_name)  # fmt: skip
         return output
 
 
@@ -352,21 +372,21 @@ def lisa_kernel() -> bool:
     return True
 
 
-def kernel_attention(layer: "LowRankCacheAttention", sources: list, query: torch.Tensor, output: torch.Tensor,
+def kernel_attention(layer: "LowRankCacheAttention", sources: list, query: SharedQuery, output: torch.Tensor,
                      meta: LowRankMetadata, n: int) -> str | None:  # fmt: skip
     """The attention of every request of the step by the C++ kernel, written into `output` (rows < n); None when done,
     else why it does not apply (nothing done): a query dtype other than fp32 / bf16 / fp16, caches whose block sizes
     do not divide each other or with rows it cannot address."""
     own = layer.kv_cache
     caches = [source.kv_cache for source, _ in sources]
-    if query.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return f"query dtype {query.dtype}"
+    if query.below.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"query dtype {query.below.dtype}"
     smallest = min(c.shape[2] for c in [*caches, own])  # vLLM may split a backend's blocks (kernel block sizes)
     if any(c.shape[2] % smallest or c.stride(3) != 1 or c.stride(2) != c.shape[3] for c in [*caches, own]):
         return "caches (shape, strides): " + ", ".join(f"{tuple(c.shape)} {c.stride()}" for c in [*caches, own])
     tables = [source_meta.block_table.to(torch.int32) for _, source_meta in sources]
     torch.ops.hfcompress.lisa_attention(
-        query, output, meta.query_start_t, meta.seq_lens_t, n, layer.window or 0, caches, tables,
+        query.below, query.source, query.scale.float().contiguous(), query.own, output, meta.query_start_t, meta.seq_lens_t, n, layer.window or 0, caches, tables,
         [int(part.kind == "root") for part in layer.parts], [getattr(layer, f"part_heads_{i}") for i in range(len(caches))],
         [part.width for part in layer.parts],
         [part.key_heads // cache.shape[1] if part.kind == "lowrank" else 1 for part, cache in zip(layer.parts, caches)],
@@ -377,7 +397,8 @@ def kernel_attention(layer: "LowRankCacheAttention", sources: list, query: torch
     return None
 
 
-def lisa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
+def lisa_attention(below: torch.Tensor, source: torch.Tensor, scale: torch.Tensor, own: torch.Tensor, key: torch.Tensor,
+                   value: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:  # fmt: skip
     context = get_forward_context()
     metadata = context.attn_metadata
     if isinstance(metadata, list):
@@ -419,18 +440,19 @@ def lisa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     for part in layer.parts:
         source_meta = metadata[part.layer_name] if isinstance(metadata, dict) else metadata
         sources.append((context.no_compile_layers[part.layer_name], source_meta))
+    query = SharedQuery(below, source, scale, own)
     if lisa_kernel():
         why_not = kernel_attention(layer, sources, query, output, meta, n)
         if why_not is None:
             return
         if attention_choice() == "kernel":
             raise UnservableModel(f"HFCOMPRESS_VLLM_ATTENTION=kernel: the C++ kernel does not apply to {layer_name}: {why_not}.")
-    torch_attention(layer, sources, query, output, meta, n)
+    torch_attention(layer, sources, query.concatenated(), output, meta, n)
 
 
 def torch_attention(layer: "LowRankCacheAttention", sources: list, query: torch.Tensor, output: torch.Tensor,
                     meta: LowRankMetadata, n: int) -> None:  # fmt: skip
-    """`kernel_attention` in torch (`attend`): the reference and the fallback."""
+    """`kernel_attention` in torch (`attend`, over the concatenated features): the reference and the fallback."""
     decodes = []  # one query token each: attended together; a prefill (chunk) alone
     for r, (start, stop) in enumerate(zip(meta.query_start[:-1], meta.query_start[1:])):
         stop = min(stop, n)
@@ -448,7 +470,7 @@ def torch_attention(layer: "LowRankCacheAttention", sources: list, query: torch.
         output.index_copy_(0, rows, out[:, 0])
 
 
-def lisa_attention_fake(query, key, value, output, layer_name) -> None:
+def lisa_attention_fake(below, source, scale, own, key, value, output, layer_name) -> None:
     return None
 
 

@@ -13,7 +13,8 @@ shared layer.
 KV cache, by default ("lowrank" layout, lowrank.py): a shared layer caches what the remote code caches, its low-rank
 keys and its V in their own widths (SmolLM2: 3 x (20 + 64) = 252 values a token against the original layer's 384), in a
 cache vLLM allocates for it like any other, and reads the root's K (and a chain's earlier low-rank keys) where they lie,
-in the root's paged cache; its attention is the plugin's own (torch, over the gathered blocks). Whatever the head
+in the root's paged cache; its attention is the plugin's own (a C++ kernel reading the caches in place, scoring each
+Align source once; torch over the gathered blocks where it cannot build). Whatever the head
 matching, the served model caches less than the original. This needs the root's cache in a layout the plugin reads:
 vLLM's CPU backend (at the model's dtype or an fp8 KV cache), not its AMX packing (bf16 on CPUs with AMX), not the GPU
 backends. There (or with
@@ -66,6 +67,7 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.platforms import current_platform
 
 from .configs import UnservableModel
+from .lowrank import SharedQuery
 
 
 # head sizes every vLLM attention backend takes (the CPU backend's list; FlashAttention and Triton take these too)
@@ -492,7 +494,7 @@ class SharedAttention(nn.Module):
         window = window_of(config, plan.attention_type)
         self.root_attn_name = f"{root_prefix}.attn"
         if plan.layout == "lowrank":
-            from .lowrank import KeyPart, LowRankCacheAttention
+            from .lowrank import KeyPart, LowRankCacheAttention  # noqa: PLC0415 - only where the layout applies
 
             layers = prefix.rsplit(".", 2)[0]  # "model.layers"
             parts = [
@@ -513,26 +515,27 @@ class SharedAttention(nn.Module):
             self.attn = Attention(h, plan.head_size, 1.0, num_kv_heads=plan.cache_heads, cache_config=cache_config,
                                   per_layer_sliding_window=window, prefix=f"{prefix}.attn")
 
-    def features(self, positions: torch.Tensor, x: torch.Tensor, prev: Handoff) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logical query features (t, H, width) and this layer's rotated low-rank keys (t, key_heads, r)."""
+    def features(self, positions: torch.Tensor, x: torch.Tensor, prev: Handoff) -> tuple[SharedQuery, torch.Tensor]:
+        """The query features (factored: the layer below's, source, scale, this layer's low-rank part) and this layer's
+        rotated low-rank keys (t, key_heads, r)."""
         t, h, r = x.shape[0], self.num_heads, self.rank
-        q = prev.query.index_select(1, self.align.source) * self.align.scale.to(prev.query.dtype).view(1, h, 1)
         k_lr = run(self.k_lowrank, x).view(t, self.key_heads, r)
+        q_lr = prev.query.new_empty(t, h, 0)
         if r:
-            q_lr = lowrank_rope(positions, run(self.q_lowrank, x).view(t, h, r), r, self.theta)
+            q_lr = lowrank_rope(positions, run(self.q_lowrank, x).view(t, h, r), r, self.theta) * r**-0.5
             k_lr = lowrank_rope(positions, k_lr, r, self.theta)
-            q = torch.cat([q, q_lr * r**-0.5], dim=-1)
-        return q, k_lr
+        return SharedQuery(prev.query, self.align.source, self.align.scale, q_lr), k_lr
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, prev: Handoff) -> tuple[torch.Tensor, Handoff | None]:
         t, h, d, r, plan = x.shape[0], self.num_heads, self.head_dim, self.rank, self.plan
-        q, k_lr = self.features(positions, x, prev)
+        query, k_lr = self.features(positions, x, prev)
         v = run(self.v_proj, x).view(t, self.num_kv_heads, d)
         size = plan.head_size
         if plan.layout == "lowrank":
-            out = self.attn.attend(q.contiguous(), k_lr.reshape(t, self.num_kv_heads, -1), v)
-            handoff = Handoff(q, None, None, None) if plan.hands_off else None
+            out = self.attn.attend(query, k_lr.reshape(t, self.num_kv_heads, -1), v)
+            handoff = Handoff(query.concatenated(), None, None, None) if plan.hands_off else None
             return run(self.o_proj, out.reshape(t, -1)), handoff
+        q = query.concatenated()
         if plan.layout == "grouped":
             from vllm.model_executor.layers.attention.attention import unified_kv_cache_update
 

@@ -11,19 +11,20 @@ from types import SimpleNamespace
 
 import torch
 
-from hfcompress.vllm_plugin.lowrank import FP8_FORMATS, KeyPart, LowRankMetadata, head_groups, quantize
+from hfcompress.vllm_plugin.lowrank import FP8_FORMATS, KeyPart, LowRankMetadata, SharedQuery, head_groups, quantize
 
 
 @dataclass
 class Problem:
     layer: SimpleNamespace  # what the attention reads of a LowRankCacheAttention
     sources: list  # per key part: (the layer holding it, metadata with its block table)
-    query: torch.Tensor  # (tokens, H, width)
+    query: SharedQuery  # the layer below's features (tokens, H, width below), source, scale; own (tokens, H, r)
     meta: LowRankMetadata
     n: int  # actual tokens (query rows past n are padding)
 
     def output(self) -> torch.Tensor:
-        return torch.zeros(self.query.shape[0], self.layer.num_heads, self.layer.head_dim, dtype=self.query.dtype)
+        below = self.query.below
+        return torch.zeros(below.shape[0], self.layer.num_heads, self.layer.head_dim, dtype=below.dtype)
 
 
 def random_cache(shape: tuple, dtype: torch.dtype, kv_cache_dtype: str, scale: float) -> torch.Tensor:
@@ -39,7 +40,9 @@ def random_problem(requests: list[tuple[int, int]], *, heads: int = 9, kv: int =
     """`requests`: per request (keys, query rows): a decode has 1 row, a prefill chunk more, the last rows of its keys.
     `chain`: the low-rank parts after the root's K, (key heads, rank) each, the last this layer's own. `block`: the
     block size, or one per layer (the root's first; vLLM splits blocks for backends that take smaller ones). `scales`:
-    the layers' k scales (the root's first, used with fp8) and, last, this layer's v scale."""
+    the layers' k scales (the root's first, used with fp8) and, last, this layer's v scale. Align: each query head
+    takes a random below head's features (sources repeat, as Align's do) times a random scale; a below part's head
+    map is per below head, so the query heads of one source read one head of it."""
     torch.manual_seed(seed)
     sizes = list(block) if isinstance(block, tuple) else [block] * (len(chain) + 1)
     num_blocks = sum(-(-length // min(sizes)) for length, _ in requests) + 5
@@ -59,7 +62,8 @@ def random_problem(requests: list[tuple[int, int]], *, heads: int = 9, kv: int =
     root = SimpleNamespace(kv_cache=random_cache((num_blocks, kv, sizes[0], 2 * root_size), dtype, kv_cache_dtype, scales[0]),
                            kv_cache_dtype=kv_cache_dtype, _k_scale_float=scales[0])  # fmt: skip
     layers.append((root, SimpleNamespace(block_table=table(sizes[0]))))
-    parts = [KeyPart("root", "root", torch.randint(kv, (heads,)).tolist(), d)]
+    source = torch.randint(heads, (heads,))
+    parts = [KeyPart("root", "root", torch.randint(kv, (heads,))[source].tolist(), d)]
     for n, (key_heads, rank) in enumerate(chain):
         own = n == len(chain) - 1
         name = "own" if own else f"shared{n}"
@@ -67,7 +71,8 @@ def random_problem(requests: list[tuple[int, int]], *, heads: int = 9, kv: int =
         cache = random_cache((num_blocks, kv, sizes[n + 1], key_width + d), dtype, kv_cache_dtype, scales[n + 1])
         layer = SimpleNamespace(kv_cache=cache, kv_cache_dtype=kv_cache_dtype, _k_scale_float=scales[n + 1], layer_name=name)
         layers.append((layer, SimpleNamespace(block_table=table(sizes[n + 1]))))
-        parts.append(KeyPart(name, "lowrank", torch.randint(key_heads, (heads,)).tolist(), rank, key_heads))
+        read = torch.randint(key_heads, (heads,))
+        parts.append(KeyPart(name, "lowrank", (read if own else read[source]).tolist(), rank, key_heads))
     layer = layers[-1][0]
     layer.parts, layer.window, layer.num_heads, layer.head_dim = parts, window, heads, d
     layer.key_width = chain[-1][0] * chain[-1][1] // kv
@@ -81,8 +86,12 @@ def random_problem(requests: list[tuple[int, int]], *, heads: int = 9, kv: int =
     rows = [q for _, q in requests]
     n = sum(rows)
     features = d + sum(rank for _, rank in chain)
+    below_width, rank = features - chain[-1][1], chain[-1][1]
     # scaled as the model scales its query features (the softmax scale folded in): scores of unit spread
-    query = (torch.randn(n + padding_rows, heads, features) * features**-0.5).to(dtype)
+    query = SharedQuery(
+        (torch.randn(n + padding_rows, heads, below_width) * features**-0.5).to(dtype), source,
+        (0.5 + torch.rand(heads)).to(dtype), (torch.randn(n + padding_rows, heads, rank) * features**-0.5).to(dtype),
+    )  # fmt: skip
     query_start = torch.tensor([0, *torch.tensor(rows).cumsum(0).tolist()], dtype=torch.long)
     seq_lens = torch.tensor([length for length, _ in requests], dtype=torch.long)
     meta = LowRankMetadata(

@@ -19,7 +19,7 @@ pytest.importorskip("vllm.entrypoints.llm")
 
 from lisa_problem import Problem, random_problem  # noqa: E402
 
-from hfcompress.vllm_plugin.lowrank import FP8_FORMATS, kernel_attention, lisa_kernel, torch_attention  # noqa: E402
+from hfcompress.vllm_plugin.lowrank import FP8_FORMATS, SharedQuery, kernel_attention, lisa_kernel, torch_attention  # noqa: E402
 
 # (keys, query rows): decodes (one key, a block edge, long), a prefill chunk after 35 cached keys, a whole prefill
 REQUESTS = [(1, 1), (33, 1), (100, 1), (75, 40), (50, 50), (300, 1), (129, 1)]
@@ -34,7 +34,7 @@ def kernel():
 def run_both(problem: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     kernel_out, torch_out = problem.output(), problem.output()
     assert kernel_attention(problem.layer, problem.sources, problem.query, kernel_out, problem.meta, problem.n) is None
-    torch_attention(problem.layer, problem.sources, problem.query, torch_out, problem.meta, problem.n)
+    torch_attention(problem.layer, problem.sources, problem.query.concatenated(), torch_out, problem.meta, problem.n)
     assert torch.equal(kernel_out[problem.n :], torch_out[problem.n :])  # padding rows untouched by both
     return kernel_out[: problem.n], torch_out[: problem.n]
 
@@ -81,13 +81,15 @@ def test_kernel_in_half_precision_is_at_least_as_close_as_the_reference(dtype):
     reference of the same (upcast) caches it is no further off than the torch path."""
     problem = random_problem(REQUESTS, dtype=dtype, window=60)
     kernel_out, torch_out = run_both(problem)
-    exact = Problem(problem.layer, problem.sources, problem.query.float(), problem.meta, problem.n)
+    q = problem.query
+    exact = Problem(problem.layer, problem.sources, SharedQuery(q.below.float(), q.source, q.scale.float(), q.own.float()),
+                    problem.meta, problem.n)  # fmt: skip
     saved = [(source, source.kv_cache) for source, _ in problem.sources]
     for source, cache in saved:
         source.kv_cache = cache.float()
     try:
         exact_out = exact.output()
-        torch_attention(exact.layer, exact.sources, exact.query, exact_out, exact.meta, exact.n)
+        torch_attention(exact.layer, exact.sources, exact.query.concatenated(), exact_out, exact.meta, exact.n)
     finally:
         for source, cache in saved:
             source.kv_cache = cache

@@ -1,7 +1,8 @@
 """The attention of a LISA shared layer in vLLM (hfcompress/vllm_plugin/lowrank.py): the C++ kernel
-(lisa_attention.cpp, reading the paged caches in place) against the torch reference (`attend`: gathers, matmuls), one
-call on SmolLM2-135M's shapes (9 query heads of 64, 3 KV heads, low-rank keys per KV group at rank 20), interleaved,
-medians. Runs in .venv-vllm:
+(lisa_attention.cpp, reading the paged caches in place) against the torch reference (`attend`: gathers, matmuls) and
+against what the layer costs unshared (vLLM's own CPU attention of a full layer over the root's cache, the same
+requests), one call on SmolLM2-135M's shapes (9 query heads of 64, 3 KV heads, low-rank keys per KV group at rank 20,
+Align sources drawn at random: 6 of 9 heads distinct), interleaved, medians. Runs in .venv-vllm:
 
     OMP_NUM_THREADS=1 .venv-vllm/bin/python benchmarks/vllm_lowrank_kernel.py [--seqs 16] [--context 528]
         [--block 128] [--chain 1] [--prefill 0] [--dtype float32] [--kv-cache-dtype auto] [--repeats 31]
@@ -53,7 +54,25 @@ def main() -> None:
     def reference() -> None:
         torch_attention(problem.layer, problem.sources, concatenated, outputs["torch"], problem.meta, problem.n)
 
-    methods = {"kernel": kernel, "torch": reference}
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    root = problem.sources[0][0].kv_cache
+    blocks, kv, block, double = root.shape
+    key_cache, value_cache = root.view(blocks, kv, 2 * block, double // 2).chunk(2, dim=2)
+    full_query = torch.randn(problem.n, problem.layer.num_heads, double // 2).to(root.dtype)
+    outputs["vllm"] = torch.empty_like(full_query)
+    meta, isa = problem.meta, _get_attn_isa(root.dtype, block, double // 2, args.kv_cache_dtype)
+    query_start, seq_lens = meta.query_start_t.to(torch.int32), meta.seq_lens_t.to(torch.int32)
+    schedule = ops.cpu_attn_get_scheduler_metadata(len(requests), problem.layer.num_heads, kv, double // 2, seq_lens, root.dtype,
+                                                   query_start, True, -1, isa, False, kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
+
+    def full_layer() -> None:
+        ops.cpu_attention_with_kv_cache(full_query, key_cache, value_cache, outputs["vllm"], query_start, seq_lens, 0.125, True,
+                                        None, -1, problem.sources[0][1].block_table, 0.0, schedule, None,
+                                        kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
+
+    methods = {"kernel": kernel, "torch": reference, "vllm": full_layer}
     times: dict[str, list[float]] = {name: [] for name in methods}
     for rep in range(args.repeats + 2):  # the first two rounds warm up
         for name, run in methods.items():
@@ -68,7 +87,8 @@ def main() -> None:
     base = statistics.median(times["torch"])
     for name, values in times.items():
         median = statistics.median(values)
-        print(f"  {name:6s} {median * 1e3:8.3f} ms  ({base / median:.1f}x the torch reference)")
+        label = {"vllm": "vLLM, a full layer"}.get(name, name)
+        print(f"  {label:18s} {median * 1e3:8.3f} ms  ({base / median:.1f}x the torch reference)")
     print(f"  max |kernel - torch| {error:.2e}")
 
 

@@ -21,6 +21,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -138,11 +139,19 @@ inline void rank_update_tile(float* const* Out, const float* const* A, const flo
     for (int c = 0; c < C; ++c) store(Out[r] + j + c * LANES, acc[r][c]);
 }
 
+// Column vectors per micro-kernel call for R rows: R x C accumulators and C loaded vectors within the 32 registers.
+// Few rows (a decode) take wide tiles, so each row of M (a key feature over the block, a value row) is read once, in
+// one sweep; many rows (a prefill) narrow ones, each M vector then feeding R multiply-adds.
+template <int R>
+constexpr int columns_for() { return R <= 2 ? 8 : (R <= 4 ? 4 : 2); }
+
 template <int R>
 struct Scores {
   static void run(float* const* S, const float* const* Q, const float* K, int64_t ldk, int width, int64_t cols,
                   bool accumulate) {
+    constexpr int C = columns_for<R>();
     int64_t j = 0;
+    for (; j + C * LANES <= cols; j += C * LANES) rank_update_tile<R, C>(S, Q, K, ldk, 0, width, j, accumulate);
     for (; j + 2 * LANES <= cols; j += 2 * LANES) rank_update_tile<R, 2>(S, Q, K, ldk, 0, width, j, accumulate);
     if (j < cols) rank_update_tile<R, 1>(S, Q, K, ldk, 0, width, j, accumulate);
   }
@@ -151,7 +160,9 @@ struct Scores {
 template <int R>
 struct Values {
   static void run(float* const* O, const float* const* P, const float* V, int64_t ldv, int64_t p0, int64_t p1, int d) {
+    constexpr int C = columns_for<R>();
     int64_t j = 0;
+    for (; j + C * LANES <= d; j += C * LANES) rank_update_tile<R, C>(O, P, V, ldv, p0, p1, j, true);
     for (; j + 2 * LANES <= d; j += 2 * LANES) rank_update_tile<R, 2>(O, P, V, ldv, p0, p1, j, true);
     if (j + LANES <= d) {
       rank_update_tile<R, 1>(O, P, V, ldv, p0, p1, j, true);
@@ -222,7 +233,7 @@ struct Context {
   const int64_t* query_start;
   const int64_t* seq_lens;
   std::vector<Part> parts;  // the parts below this layer, then its own (last)
-  // this layer's own cache: V per position at value_offset
+  // this layer's own cache: per block and KV head its keys, then V (v_offset: after the keys) as [block][d]
   const char* v_data;
   int v_format;
   int64_t v_block, v_block_stride, v_head_stride, v_pos_stride, v_offset;
@@ -239,19 +250,39 @@ struct Scratch {
   std::vector<size_t> part_rows;                  // per (part, part head): where its rows start in s_rows / q_rows
 };
 
-float load_io(const char* base, int format, int64_t k) {
+// n query features from element k of a (T, H, W) tensor of the io format, as floats (the switch outside the loop)
+void load_row(float* dst, const char* base, int format, int64_t k, int64_t n) {
   switch (format) {
-    case F32: return reinterpret_cast<const float*>(base)[k];
-    case BF16: return static_cast<float>(reinterpret_cast<const c10::BFloat16*>(base)[k]);
-    default: return static_cast<float>(reinterpret_cast<const c10::Half*>(base)[k]);
+    case F32: std::memcpy(dst, reinterpret_cast<const float*>(base) + k, n * sizeof(float)); break;
+    case BF16: {
+      auto p = reinterpret_cast<const c10::BFloat16*>(base) + k;
+      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(p[i]);
+      break;
+    }
+    default: {
+      auto p = reinterpret_cast<const c10::Half*>(base) + k;
+      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(p[i]);
+    }
   }
 }
 
-void store_io(char* base, int format, int64_t k, float v) {
+// n outputs src * mul to element k of the output, in the io format
+void store_row(char* base, int format, int64_t k, const float* src, float mul, int64_t n) {
   switch (format) {
-    case F32: reinterpret_cast<float*>(base)[k] = v; break;
-    case BF16: reinterpret_cast<c10::BFloat16*>(base)[k] = c10::BFloat16(v); break;
-    default: reinterpret_cast<c10::Half*>(base)[k] = c10::Half(v);
+    case F32: {
+      float* p = reinterpret_cast<float*>(base) + k;
+      for (int64_t i = 0; i < n; ++i) p[i] = src[i] * mul;
+      break;
+    }
+    case BF16: {
+      auto p = reinterpret_cast<c10::BFloat16*>(base) + k;
+      for (int64_t i = 0; i < n; ++i) p[i] = c10::BFloat16(src[i] * mul);
+      break;
+    }
+    default: {
+      auto p = reinterpret_cast<c10::Half*>(base) + k;
+      for (int64_t i = 0; i < n; ++i) p[i] = c10::Half(src[i] * mul);
+    }
   }
 }
 
@@ -318,12 +349,11 @@ void attend_item(const Context& c, int64_t req, int64_t row0, int64_t rows, int6
   s.qb.resize(U * rows * Wb);  // [slot][row][feature]
   for (int64_t u = 0; u < U; ++u)
     for (int64_t r = 0; r < rows; ++r)
-      for (int64_t i = 0; i < Wb; ++i)
-        s.qb[(u * rows + r) * Wb + i] = load_io(c.below, c.io_format, ((first + row0 + r) * H + s.sources[u]) * Wb + i);
+      load_row(s.qb.data() + (u * rows + r) * Wb, c.below, c.io_format, ((first + row0 + r) * H + s.sources[u]) * Wb, Wb);
   s.qo.resize(H * rows * Wo);  // [head][row][feature]
   for (int64_t h = h0; h < h1; ++h)
     for (int64_t r = 0; r < rows; ++r)
-      for (int64_t i = 0; i < Wo; ++i) s.qo[(h * rows + r) * Wo + i] = load_io(c.own, c.io_format, ((first + row0 + r) * H + h) * Wo + i);
+      load_row(s.qo.data() + (h * rows + r) * Wo, c.own, c.io_format, ((first + row0 + r) * H + h) * Wo, Wo);
   s.o.assign(H * rows * d, 0.0f);
   s.m.assign(H * rows, NEG_INF);
   s.l.assign(H * rows, 0.0f);
@@ -437,8 +467,7 @@ void attend_item(const Context& c, int64_t req, int64_t row0, int64_t rows, int6
   for (int64_t h = h0; h < h1; ++h)
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t k = h * rows + r;
-      const float inv = 1.0f / s.l[k];
-      for (int64_t x = 0; x < d; ++x) store_io(c.output, c.io_format, ((first + row0 + r) * H + h) * d + x, s.o[k * d + x] * inv);
+      store_row(c.output, c.io_format, ((first + row0 + r) * H + h) * d, s.o.data() + k * d, 1.0f / s.l[k], d);
     }
 }
 
@@ -518,15 +547,17 @@ void lisa_attention(const at::Tensor& below, const at::Tensor& source, const at:
       part.pos_stride = 1;
       part.elem_stride = part.block;
       for (int64_t ph = 0; ph < part_heads; ++ph) part.head_base.push_back(ph * cache.stride(1));
-    } else {  // a LowRankCacheAttention cache: per position and cache head, the low-rank keys of its key heads
+    } else {  // a LowRankCacheAttention cache: per block and cache head, the low-rank keys of its key heads as
+              // [per * width][block], then V
       const int64_t per = per_cache_head[pi];
       part_heads = cache.size(1) * per;
       TORCH_CHECK(per * part.width <= cache.size(3), "hfcompress lisa_attention: low-rank keys wider than the cache row");
-      part.pos_stride = cache.stride(2);
-      part.elem_stride = 1;
-      for (int64_t ph = 0; ph < part_heads; ++ph) part.head_base.push_back(ph / per * cache.stride(1) + ph % per * part.width);
+      part.pos_stride = 1;
+      part.elem_stride = part.block;
+      for (int64_t ph = 0; ph < part_heads; ++ph)
+        part.head_base.push_back(ph / per * cache.stride(1) + ph % per * part.width * part.block);
     }
-    part.direct = part.format == F32 && roots[pi] && c.block % LANES == 0;  // tiles of whole vectors inside its blocks
+    part.direct = part.format == F32 && c.block % LANES == 0;  // tiles of whole vectors inside its blocks
     const at::Tensor& map = heads[pi];
     TORCH_CHECK(map.scalar_type() == at::kLong && map.numel() == c.heads && map.is_contiguous(),
                 "hfcompress lisa_attention: a part's head map has one int64 per query head");
@@ -559,28 +590,44 @@ void lisa_attention(const at::Tensor& below, const at::Tensor& source, const at:
   c.v_block = value_cache.size(2);
   c.v_block_stride = value_cache.stride(0);
   c.v_head_stride = value_cache.stride(1);
-  c.v_pos_stride = value_cache.stride(2);
-  c.v_offset = value_offset;
+  c.v_pos_stride = c.d;  // V after the keys: [block][d]
+  c.v_offset = value_offset * c.v_block;
   c.v_scale = static_cast<float>(value_scale);
   c.v_table = value_table.data_ptr<int32_t>();
   c.v_table_stride = value_table.stride(0);
 
   // work items: (request, tile of query rows), all heads (a key tile is read once for all the heads that read it); with
-  // fewer items than threads, one item per KV head's query heads
+  // fewer tiles than threads, one item per KV head's query heads. A prefill's later rows see more keys: the threads
+  // take the items one at a time, costliest first (split in ranges, the thread with a chunk's last rows did 3/4 of it)
+  struct Item {
+    int64_t req, row, rows, kv0, kv1, cost;
+  };
   const int64_t kv = c.heads / c.group;
-  std::vector<std::pair<int64_t, int64_t>> tiles;
+  std::vector<Item> items;
   for (int64_t r = 0; r < requests; ++r) {
     const int64_t count = std::min(c.query_start[r + 1], num_tokens) - c.query_start[r];
-    for (int64_t row = 0; row < count; row += ROW_TILE) tiles.emplace_back(r, row);
+    for (int64_t row = 0; row < count; row += ROW_TILE) {
+      const int64_t rows = std::min<int64_t>(ROW_TILE, count - row);
+      const int64_t hi = c.seq_lens[r] - count + row + rows;  // keys the tile's last row sees
+      const int64_t lo = c.window > 0 ? std::max<int64_t>(0, hi - rows - c.window + 1) : 0;
+      items.push_back({r, row, rows, 0, kv, rows * (hi - lo)});
+    }
   }
-  const int64_t ways = static_cast<int64_t>(tiles.size()) < at::get_num_threads() ? kv : 1;
-  at::parallel_for(0, static_cast<int64_t>(tiles.size()) * ways, 1, [&](int64_t begin, int64_t end) {
+  const int64_t threads = at::get_num_threads();
+  if (static_cast<int64_t>(items.size()) < threads && kv > 1) {
+    std::vector<Item> split;
+    for (const Item& item : items)
+      for (int64_t k = 0; k < kv; ++k) split.push_back({item.req, item.row, item.rows, k, k + 1, item.cost});
+    items.swap(split);
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t total = static_cast<int64_t>(items.size());
+  at::parallel_for(0, std::min(threads, total), 1, [&](int64_t, int64_t) {
     thread_local Scratch scratch;
-    for (int64_t i = begin; i < end; ++i) {
-      const auto [r, row] = tiles[i / ways];
-      const int64_t count = std::min(c.query_start[r + 1], num_tokens) - c.query_start[r];
-      const int64_t kv0 = ways == 1 ? 0 : i % ways, kv1 = ways == 1 ? kv : kv0 + 1;
-      attend_item(c, r, row, std::min<int64_t>(ROW_TILE, count - row), kv0, kv1, scratch);
+    for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1)) {
+      const Item& item = items[i];
+      attend_item(c, item.req, item.row, item.rows, item.kv0, item.kv1, scratch);
     }
   });
 }

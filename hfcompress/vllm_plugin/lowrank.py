@@ -14,7 +14,9 @@ a token against the original layer's 384, what the remote code holds.
 vLLM side: `LowRankCacheAttention` is a vLLM `Attention` (so vLLM sizes, allocates, binds and prefix-caches its cache
 like any other: a `FullAttentionSpec` / `SlidingWindowSpec` with head_size = key width and head_size_v = d; the layers
 of one attention type share one block table, each with its own page size) whose backend (`LowRankBackend`) is this
-module: its cache is [blocks, KV, block_size, key width + d], keys first; the attention is the op
+module: its cache is [blocks, KV, block_size, key width + d], per block and KV head the low-rank keys transposed
+([key width, block_size], as the CPU backend lays out the root's K: a key feature's positions are one vector), then V
+([block_size, d]) (`own_views`); the attention is the op
 `torch.ops.vllm.hfcompress_lisa_attention` (opaque to torch.compile). It runs a C++ kernel (lisa_attention.cpp, built
 at first use by `lisa_kernel`) that walks each request's block table and reads every part where it lies (no copies),
 with an online softmax; `attend` is the torch reference and the fallback (no compiler, a failed build, an unsupported
@@ -257,11 +259,22 @@ def root_key_blocks(cache: torch.Tensor, blocks: torch.Tensor, width: int) -> to
     return keys.index_select(0, blocks.reshape(-1)).view(requests, count, kv, double // 2, block)[:, :, :, :width]
 
 
-def own_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """The rows (R, blocks, KV, block_size, key_width + d) of a LowRankCacheAttention cache in `blocks` (R, blocks)."""
-    _, kv, block, width = cache.shape
+def own_views(cache: torch.Tensor, key_width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A LowRankCacheAttention cache [blocks, KV, block_size, key_width + d] as its keys (blocks, KV, key_width,
+    block_size) and values (blocks, KV, block_size, d): per block and KV head the keys transposed, then V (views)."""
+    num_blocks, kv, block, width = cache.shape
+    flat = cache.view(num_blocks, kv, block * width)
+    keys = flat[:, :, : key_width * block].unflatten(-1, (key_width, block))
+    return keys, flat[:, :, key_width * block :].unflatten(-1, (block, width - key_width))
+
+
+def own_blocks(cache: torch.Tensor, blocks: torch.Tensor, key_width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys (R, blocks, KV, key_width, block_size) and values (R, blocks, KV, block_size, d) a LowRankCacheAttention
+    cache holds in `blocks` (R, blocks)."""
     requests, count = blocks.shape
-    return cache.index_select(0, blocks.reshape(-1)).view(requests, count, kv, block, width)
+    picked = cache.index_select(0, blocks.reshape(-1))
+    keys, values = own_views(picked, key_width)
+    return keys.unflatten(0, (requests, count)), values.unflatten(0, (requests, count))
 
 
 ROWS = 128  # a prefill's query rows scored at once (bounds the score tensor: H x ROWS x keys)
@@ -281,16 +294,13 @@ def attend(layer: "LowRankCacheAttention", sources: list, query: torch.Tensor, r
         if part.kind == "root":
             keys = dequantize(root_key_blocks(cache, blocks, part.width), source._k_scale_float, fp8, query.dtype)
         else:
-            stored = own_blocks(cache, blocks)
+            kv = cache.shape[1]
+            stored, values = own_blocks(cache, blocks, part.key_heads // kv * part.width)
             if part.layer_name == layer.layer_name:
-                own = stored
-            count, nb, kv, block = stored.shape[:4]
-            per_cache_head = part.key_heads // kv
-            keys = dequantize(stored[..., : per_cache_head * part.width], source._k_scale_float, fp8, query.dtype)
-            if per_cache_head > 1:  # one low-rank key per query head: (R, blocks, key heads, block, r)
-                keys = keys.reshape(count, nb, kv, block, per_cache_head, part.width).transpose(3, 4)
-                keys = keys.reshape(count, nb, part.key_heads, block, part.width)
-            keys = keys.transpose(-1, -2)
+                own = values
+            keys = dequantize(stored, source._k_scale_float, fp8, query.dtype)
+            # one low-rank key per query head: cache head c holds key heads c * per .. c * per + per - 1
+            keys = keys.unflatten(3, (part.key_heads // kv, part.width)).flatten(2, 3)  # (R, blocks, key heads, r, block)
         parts.append((keys, getattr(layer, f"part_slots_{n_part}"), getattr(layer, f"part_pick_{n_part}"), offset))
         offset += part.width
     count, heads, queries = query.shape[:3]
@@ -298,7 +308,7 @@ def attend(layer: "LowRankCacheAttention", sources: list, query: torch.Tensor, r
     group = heads // kv
     padded = nb * block
     # (R, blocks, KV, block, d): query head h reads V of KV head h // group
-    values = dequantize(own[..., layer.key_width :], layer._v_scale_float, layer.fp8, query.dtype)
+    values = dequantize(own, layer._v_scale_float, layer.fp8, query.dtype)
     lengths_t = torch.tensor(lengths, device=query.device).view(-1, 1, 1, 1)
     k_pos = torch.arange(longest, device=query.device).view(1, 1, 1, -1)
     out = []
@@ -410,18 +420,19 @@ def lisa_attention(below: torch.Tensor, source: torch.Tensor, scale: torch.Tenso
         return
     n = meta.num_actual_tokens
     cache = layer.kv_cache
-    # this layer's rows of the current tokens
+    # this layer's keys and values of the current tokens
     slots = meta.slot_mapping[:n].long()
     block = cache.shape[2]
     valid = slots >= 0
-    if layer.fp8 is None:
-        rows = torch.cat([key[:n], value[:n]], dim=-1)
-    else:  # scaled as the CPU backend scales the root's K and V
-        key_rows = quantize(key[:n], layer._k_scale_float, layer.fp8)
-        rows = torch.cat([key_rows, quantize(value[:n], layer._v_scale_float, layer.fp8)], dim=-1)
+    key_rows, value_rows = key[:n], value[:n]
+    if layer.fp8 is not None:  # scaled as the CPU backend scales the root's K and V
+        key_rows = quantize(key_rows, layer._k_scale_float, layer.fp8)
+        value_rows = quantize(value_rows, layer._v_scale_float, layer.fp8)
     if not bool(valid.all()):
-        slots, rows = slots[valid], rows[valid]
-    cache[slots // block, :, slots % block] = rows.to(cache.dtype)
+        slots, key_rows, value_rows = slots[valid], key_rows[valid], value_rows[valid]
+    keys, values = own_views(cache, layer.key_width)
+    keys[slots // block, :, :, slots % block] = key_rows.to(cache.dtype)
+    values[slots // block, :, slots % block] = value_rows.to(cache.dtype)
     if n < output.shape[0]:
         output[n:].zero_()
 

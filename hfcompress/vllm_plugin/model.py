@@ -483,9 +483,16 @@ class SharedAttention(nn.Module):
         h, kv, d, r = config.num_attention_heads, config.num_key_value_heads, head_dim(config), plan.rank
         self.num_heads, self.num_kv_heads, self.head_dim, self.rank, self.key_heads = h, kv, d, r, plan.key_heads
         hidden, biases = config.hidden_size, config.projection_biases
-        self.q_lowrank = ReplicatedLinear(hidden, h * r, bias=False, prefix=f"{prefix}.q_lowrank")
-        self.k_lowrank = ReplicatedLinear(hidden, plan.key_heads * r, bias=False, prefix=f"{prefix}.k_lowrank")
-        self.v_proj = linear(hidden, kv * d, biases["v_proj"], fasc.get("self_attn.v_proj"), f"{prefix}.v_proj")
+        # q_lowrank, k_lowrank and (unless factorised or with a bias) v_proj as one matmul: three skinny ones cost the
+        # time their smaller weights save
+        self.merged_v = not (biases["v_proj"] or "self_attn.v_proj" in fasc)
+        self.sizes = [h * r, plan.key_heads * r] + ([kv * d] if self.merged_v else [])
+        if r:
+            self.qkv_lowrank = MergedColumnParallelLinear(hidden, self.sizes, bias=False, prefix=f"{prefix}.qkv_lowrank")
+        else:  # no low-rank term (rank 0): V alone
+            self.merged_v = False
+        if not self.merged_v:
+            self.v_proj = linear(hidden, kv * d, biases["v_proj"], fasc.get("self_attn.v_proj"), f"{prefix}.v_proj")
         self.o_proj = linear(h * d, hidden, biases["o_proj"], fasc.get("self_attn.o_proj"), f"{prefix}.o_proj")
         self.align = nn.Module()
         self.align.register_buffer("source", torch.tensor(plan.source, dtype=torch.long))
@@ -515,21 +522,23 @@ class SharedAttention(nn.Module):
             self.attn = Attention(h, plan.head_size, 1.0, num_kv_heads=plan.cache_heads, cache_config=cache_config,
                                   per_layer_sliding_window=window, prefix=f"{prefix}.attn")
 
-    def features(self, positions: torch.Tensor, x: torch.Tensor, prev: Handoff) -> tuple[SharedQuery, torch.Tensor]:
-        """The query features (factored: the layer below's, source, scale, this layer's low-rank part) and this layer's
-        rotated low-rank keys (t, key_heads, r)."""
+    def features(self, positions: torch.Tensor, x: torch.Tensor, prev: Handoff) -> tuple[SharedQuery, torch.Tensor, torch.Tensor]:
+        """The query features (factored: the layer below's, source, scale, this layer's low-rank part), this layer's
+        rotated low-rank keys (t, key_heads, r) and its V (t, KV * d)."""
         t, h, r = x.shape[0], self.num_heads, self.rank
-        k_lr = run(self.k_lowrank, x).view(t, self.key_heads, r)
-        q_lr = prev.query.new_empty(t, h, 0)
-        if r:
-            q_lr = lowrank_rope(positions, run(self.q_lowrank, x).view(t, h, r), r, self.theta) * r**-0.5
-            k_lr = lowrank_rope(positions, k_lr, r, self.theta)
-        return SharedQuery(prev.query, self.align.source, self.align.scale, q_lr), k_lr
+        if not r:
+            empty = prev.query.new_empty(t, h, 0)
+            return SharedQuery(prev.query, self.align.source, self.align.scale, empty), empty[:, : self.key_heads], run(self.v_proj, x)
+        q_lr, k_lr, *v = run(self.qkv_lowrank, x).split(self.sizes, dim=-1)
+        q_lr = lowrank_rope(positions, q_lr.view(t, h, r), r, self.theta) * r**-0.5
+        k_lr = lowrank_rope(positions, k_lr.view(t, self.key_heads, r), r, self.theta)
+        v = v[0] if self.merged_v else run(self.v_proj, x)
+        return SharedQuery(prev.query, self.align.source, self.align.scale, q_lr), k_lr, v
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, prev: Handoff) -> tuple[torch.Tensor, Handoff | None]:
         t, h, d, r, plan = x.shape[0], self.num_heads, self.head_dim, self.rank, self.plan
-        query, k_lr = self.features(positions, x, prev)
-        v = run(self.v_proj, x).view(t, self.num_kv_heads, d)
+        query, k_lr, v = self.features(positions, x, prev)
+        v = v.view(t, self.num_kv_heads, d)
         size = plan.head_size
         if plan.layout == "lowrank":
             out = self.attn.attend(query, k_lr.reshape(t, self.num_kv_heads, -1), v)
@@ -642,6 +651,9 @@ STACKED = (  # (checkpoint name part, vLLM parameter name part, shard id)
     (".q_proj.", ".qkv_proj.", "q"),
     (".k_proj.", ".qkv_proj.", "k"),
     (".v_proj.", ".qkv_proj.", "v"),
+    (".q_lowrank.", ".qkv_lowrank.", 0),  # a shared layer's
+    (".k_lowrank.", ".qkv_lowrank.", 1),
+    (".v_proj.", ".qkv_lowrank.", 2),
     (".gate_proj.", ".gate_up_proj.", 0),
     (".up_proj.", ".gate_up_proj.", 1),
 )

@@ -67,7 +67,7 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.platforms import current_platform
 
 from .configs import UnservableModel
-from .lowrank import SharedQuery
+from .lowrank import KeyPart, LowRankCacheAttention, SharedQuery
 
 
 # head sizes every vLLM attention backend takes (the CPU backend's list; FlashAttention and Triton take these too)
@@ -501,8 +501,6 @@ class SharedAttention(nn.Module):
         window = window_of(config, plan.attention_type)
         self.root_attn_name = f"{root_prefix}.attn"
         if plan.layout == "lowrank":
-            from .lowrank import KeyPart, LowRankCacheAttention  # noqa: PLC0415 - only where the layout applies
-
             layers = prefix.rsplit(".", 2)[0]  # "model.layers"
             parts = [
                 KeyPart(f"{layers}.{idx}.self_attn.attn", "lowrank" if n else "root", part_heads, width, key_heads)
@@ -528,7 +526,8 @@ class SharedAttention(nn.Module):
         t, h, r = x.shape[0], self.num_heads, self.rank
         if not r:
             empty = prev.query.new_empty(t, h, 0)
-            return SharedQuery(prev.query, self.align.source, self.align.scale, empty), empty[:, : self.key_heads], run(self.v_proj, x)
+            query = SharedQuery(prev.query, self.align.source, self.align.scale, empty)
+            return query, empty[:, : self.key_heads], run(self.v_proj, x)
         q_lr, k_lr, *v = run(self.qkv_lowrank, x).split(self.sizes, dim=-1)
         q_lr = lowrank_rope(positions, q_lr.view(t, h, r), r, self.theta) * r**-0.5
         k_lr = lowrank_rope(positions, k_lr.view(t, self.key_heads, r), r, self.theta)

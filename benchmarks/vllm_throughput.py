@@ -11,8 +11,8 @@ Each model gets one engine in its own process, started once (alive side by side)
 (original, converted, ..., the order rotating each repeat) and the medians reported. A round is one `generate` of
 `--concurrency` prompts of exactly the prompt length (real text: the CPython docs, tokenized by the first model's
 tokenizer, a different slice per round), greedy, `--new-tokens` tokens each, EOS ignored; prefix caching off, chunked
-prefill on (vLLM's defaults otherwise: torch.compile where the model supports it, which vLLM's own Llama does and the
-plugin's LISA models do not; `--enforce-eager` runs every model eager). Output tok/s = generated tokens / wall time of the round (its prefill included).
+prefill on (vLLM's defaults otherwise: torch.compile, which vLLM's own Llama and the plugin's LISA models both support;
+`--enforce-eager` runs every model eager). Output tok/s = generated tokens / wall time of the round (its prefill included).
 The results file is regenerated whole, the command that made it at its top.
 """
 

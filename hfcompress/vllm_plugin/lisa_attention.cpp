@@ -4,9 +4,9 @@
 // A shared layer scores query head h as S[h] = scale[h] * S_below[source[h]] + own[h] . k_lr[key(h)]: the layer below's
 // scores of its head source[h] (its query features below[source[h]] against the key parts below this layer: the
 // root's K, transposed per block in the CPU backend's cache, and the low-rank keys of the chain's earlier shared
-// layers, rows of their caches), scaled, plus this layer's low-rank term. Align maps several heads to one source (on
-// SmolLM2 4 to 6 sources for 9 heads), so S_below is computed once per source, not per head: fewer multiply-adds
-// than a full layer's attention.
+// layers, transposed per block in theirs), scaled, plus this layer's low-rank term. Align maps several heads to one
+// source (SmolLM2: 2 to 6 sources for 9 heads), so S_below is computed once per source, not per head: fewer
+// multiply-adds than a full layer's attention.
 //
 // Per (request, tile of query rows, query heads) it walks the request's block table: per block, those scores, masked
 // causally (and by the window), then an online (flash-style) softmax and the values of this layer's own cache.

@@ -487,8 +487,11 @@ class SharedAttention(nn.Module):
         # time their smaller weights save
         self.merged_v = not (biases["v_proj"] or "self_attn.v_proj" in fasc)
         self.sizes = [h * r, plan.key_heads * r] + ([kv * d] if self.merged_v else [])
-        if r:
+        # named by what it holds: the checkpoint's names map onto it (STACKED)
+        if r and self.merged_v:
             self.qkv_lowrank = MergedColumnParallelLinear(hidden, self.sizes, bias=False, prefix=f"{prefix}.qkv_lowrank")
+        elif r:
+            self.qk_lowrank = MergedColumnParallelLinear(hidden, self.sizes, bias=False, prefix=f"{prefix}.qk_lowrank")
         else:  # no low-rank term (rank 0): V alone
             self.merged_v = False
         if not self.merged_v:
@@ -528,7 +531,7 @@ class SharedAttention(nn.Module):
             empty = prev.query.new_empty(t, h, 0)
             query = SharedQuery(prev.query, self.align.source, self.align.scale, empty)
             return query, empty[:, : self.key_heads], run(self.v_proj, x)
-        q_lr, k_lr, *v = run(self.qkv_lowrank, x).split(self.sizes, dim=-1)
+        q_lr, k_lr, *v = run(self.qkv_lowrank if self.merged_v else self.qk_lowrank, x).split(self.sizes, dim=-1)
         q_lr = lowrank_rope(positions, q_lr.view(t, h, r), r, self.theta) * r**-0.5
         k_lr = lowrank_rope(positions, k_lr.view(t, self.key_heads, r), r, self.theta)
         v = v[0] if self.merged_v else run(self.v_proj, x)
@@ -653,6 +656,8 @@ STACKED = (  # (checkpoint name part, vLLM parameter name part, shard id)
     (".q_lowrank.", ".qkv_lowrank.", 0),  # a shared layer's
     (".k_lowrank.", ".qkv_lowrank.", 1),
     (".v_proj.", ".qkv_lowrank.", 2),
+    (".q_lowrank.", ".qk_lowrank.", 0),  # a shared layer's whose V has a bias or is factorised
+    (".k_lowrank.", ".qk_lowrank.", 1),
     (".gate_proj.", ".gate_up_proj.", 0),
     (".up_proj.", ".gate_up_proj.", 1),
 )

@@ -3,7 +3,7 @@
 //
 // A shared layer scores query head h as S[h] = scale[h] * S_below[source[h]] + own[h] . k_lr[key(h)]: the layer below's
 // scores of its head source[h] (its query features below[source[h]] against the key parts below this layer: the
-// root's K, transposed per block in the CPU backend's cache, and the low-rank keys of the chain's earlier shared
+// root's K, as the CPU backend's ISA lays it out in its cache, and the low-rank keys of the chain's earlier shared
 // layers, transposed per block in theirs), scaled, plus this layer's low-rank term. Align maps several heads to one
 // source (SmolLM2: 2 to 6 sources for 9 heads), so S_below is computed once per source, not per head: fewer
 // multiply-adds than a full layer's attention.
@@ -220,6 +220,9 @@ struct Part {
   const int32_t* table;
   int64_t table_stride;
   bool direct;  // fp32 keys transposed per block: read in place
+  // the root's K as the AMX ISA packs it (bf16 or fp8): per block and KV head [block / 16][head size / 2][16][2]
+  bool amx;
+  int64_t amx_tile;  // elements of one tile of 16 positions: 16 * head size
 };
 
 struct Context {
@@ -290,7 +293,8 @@ void store_row(char* base, int format, int64_t k, const float* src, float mul, i
 // for fp32 keys already transposed in the cache, a pointer into it.
 const float* key_tile(const Context& c, const Part& part, int64_t blk, int64_t off, int ph, int64_t n, float* scratch,
                       int64_t& ldk) {
-  const int64_t base = blk * part.block_stride + part.head_base[ph] + off * part.pos_stride;
+  const int64_t head = blk * part.block_stride + part.head_base[ph];
+  const int64_t base = head + off * part.pos_stride;
   if (part.direct) {
     ldk = part.elem_stride;
     return reinterpret_cast<const float*>(part.data) + base;
@@ -298,8 +302,16 @@ const float* key_tile(const Context& c, const Part& part, int64_t blk, int64_t o
   ldk = c.ld;
   const int64_t cols = round_up(n, LANES);
   with_reader(part.data, part.format, part.scale, [&](auto get) {
-    for (int64_t p = 0; p < n; ++p)
-      for (int i = 0; i < part.width; ++i) scratch[i * c.ld + p] = get(base + p * part.pos_stride + i * part.elem_stride);
+    if (part.amx) {  // position t's feature pair i / 2 at tile t / 16, pair row i / 2, column t % 16
+      for (int64_t p = 0; p < n; ++p) {
+        const int64_t t = off + p;
+        const int64_t at = head + (t >> 4) * part.amx_tile + (t & 15) * 2;
+        for (int i = 0; i < part.width; ++i) scratch[i * c.ld + p] = get(at + (i >> 1) * 32 + (i & 1));
+      }
+    } else {
+      for (int64_t p = 0; p < n; ++p)
+        for (int i = 0; i < part.width; ++i) scratch[i * c.ld + p] = get(base + p * part.pos_stride + i * part.elem_stride);
+    }
     for (int i = 0; i < part.width; ++i)
       for (int64_t p = n; p < cols; ++p) scratch[i * c.ld + p] = 0.0f;
   });
@@ -541,8 +553,13 @@ void lisa_attention(const at::Tensor& below, const at::Tensor& source, const at:
     part.block = cache.size(2);
     part.block_stride = cache.stride(0);
     int64_t part_heads;
-    if (roots[pi]) {  // the CPU backend: per block and KV head, K as [head size][block], then V
+    part.amx = roots[pi] == 2;
+    part.amx_tile = 16 * (cache.size(3) / 2);
+    if (roots[pi]) {  // the CPU backend: per block and KV head, K (1: as [head size][block]; 2: AMX tiles), then V
+      TORCH_CHECK(roots[pi] == 1 || roots[pi] == 2, "hfcompress lisa_attention: root layout 1 (transposed) or 2 (amx)");
       TORCH_CHECK(part.width * 2 <= cache.size(3), "hfcompress lisa_attention: root part wider than its head size");
+      TORCH_CHECK(!part.amx || (part.block % 16 == 0 && cache.size(3) % 4 == 0),
+                  "hfcompress lisa_attention: an AMX-packed root needs blocks of 16 positions and an even head size");
       part_heads = cache.size(1);
       part.pos_stride = 1;
       part.elem_stride = part.block;
@@ -557,7 +574,7 @@ void lisa_attention(const at::Tensor& below, const at::Tensor& source, const at:
       for (int64_t ph = 0; ph < part_heads; ++ph)
         part.head_base.push_back(ph / per * cache.stride(1) + ph % per * part.width * part.block);
     }
-    part.direct = part.format == F32 && c.block % LANES == 0;  // tiles of whole vectors inside its blocks
+    part.direct = part.format == F32 && !part.amx && c.block % LANES == 0;  // tiles of whole vectors inside its blocks
     const at::Tensor& map = heads[pi];
     TORCH_CHECK(map.scalar_type() == at::kLong && map.numel() == c.heads && map.is_contiguous(),
                 "hfcompress lisa_attention: a part's head map has one int64 per query head");

@@ -23,13 +23,15 @@ with an online softmax; `attend` is the torch reference and the fallback (no com
 layout, HFCOMPRESS_VLLM_ATTENTION=torch): per request, the keys and values of its blocks gathered, the scores masked
 causally (and by the window), softmax, times V.
 
-The root's cache is the CPU backend's: per block and KV head the keys as [head size, block_size] (transposed), then
-the values; the same with an fp8 KV cache (`kv_cache_dtype` fp8 / fp8_e4m3 / fp8_e5m2: bytes of e4m3fn / e5m2, the
-value divided by the layer's k / v scale). There a shared layer's own cache holds fp8 bytes too (quantized with its
-own layer's scales on write), and every part is dequantized (times its layer's scale) as it is read. Its AMX layout
-(bf16 on CPUs with AMX) packs keys otherwise, and GPU backends have their own: there the model falls back to the
-concatenated-feature layouts (model.plan_layers); the layer also checks, on its first call, that the root's attention
-runs the ISA whose layout it reads.
+The root's cache is the CPU backend's: per block and KV head the keys, then the values. The keys are laid out as its
+ISA packs them (`ROOT_LAYOUTS`): "vec" / "vec16" (fp32, fp16, bf16 without AMX) as [head size, block_size]
+(transposed); "amx" (bf16 on CPUs with AMX tiles) in tiles of 16 positions, per tile the head's features in pairs,
+[block_size / 16, head size / 2, 16, 2]. The same with an fp8 KV cache (`kv_cache_dtype` fp8 / fp8_e4m3 / fp8_e5m2:
+bytes of e4m3fn / e5m2, the value divided by the layer's k / v scale). There a shared layer's own cache holds fp8 bytes
+too (quantized with its own layer's scales on write), and every part is dequantized (times its layer's scale) as it is
+read. GPU backends have their own layouts: there the model falls back to the concatenated-feature layouts
+(model.plan_layers); the layer also checks, on its first call, that the root's attention runs an ISA whose layout it
+reads.
 """
 
 from __future__ import annotations
@@ -59,8 +61,9 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from .configs import UnservableModel
 
-# the CPU attention ISAs whose key layout `root_key_blocks` reads (transposed in a block); "amx" packs keys otherwise
-READABLE_ISAS = ("vec", "vec16")
+# the CPU attention ISAs whose key layout `root_key_blocks` and the kernel read -> that layout (the kernel's code for it)
+ROOT_LAYOUTS = {"vec": "transposed", "vec16": "transposed", "amx": "amx"}
+ROOT_LAYOUT_CODES = {"transposed": 1, "amx": 2}
 
 # vLLM's fp8 KV cache dtypes: the cache tensor is uint8, holding these formats (the CPU backend's "fp8" is e4m3)
 FP8_FORMATS = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -73,8 +76,8 @@ logger = logging.getLogger("vllm.hfcompress")  # under vllm's logger: printed wi
 def root_cache_readable(dtype: torch.dtype, block_size: int | None, head_size: int,
                         kv_cache_dtype: str = "auto") -> bool:  # fmt: skip
     """Whether a full layer's paged cache (vLLM's CPU attention backend at this dtype, block size, head size and KV
-    cache dtype) is in the layout `root_key_blocks` reads: the CPU platform, an ISA other than AMX, and a KV cache dtype
-    of the model's dtype or an fp8 format."""
+    cache dtype) is in a layout `root_key_blocks` reads: the CPU platform, an ISA of `ROOT_LAYOUTS`, and a KV cache
+    dtype of the model's dtype or an fp8 format."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu() or kv_cache_dtype not in ("auto", *FP8_FORMATS):
@@ -82,7 +85,7 @@ def root_cache_readable(dtype: torch.dtype, block_size: int | None, head_size: i
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     try:
-        return _get_attn_isa(dtype, block_size or 128, head_size, kv_cache_dtype) in READABLE_ISAS
+        return _get_attn_isa(dtype, block_size or 128, head_size, kv_cache_dtype) in ROOT_LAYOUTS
     except Exception:  # noqa: BLE001 - an ISA this vLLM cannot pick (fp8 without AVX-512, head size): not readable
         return False
 
@@ -248,15 +251,25 @@ class LowRankCacheAttention(Attention):
         return output
 
 
-def root_key_blocks(cache: torch.Tensor, blocks: torch.Tensor, width: int) -> torch.Tensor:
+def root_key_blocks(cache: torch.Tensor, blocks: torch.Tensor, width: int, layout: str = "transposed") -> torch.Tensor:
     """The keys, transposed per block, (R, blocks, KV, width, block_size) a CPU-backend layer cached in `blocks` (R,
-    blocks): its cache is [blocks, KV, block_size, 2 * head_size], per block and KV head the keys as [head_size,
-    block_size] (so already transposed), then the values; an fp8 cache the same in bytes (uint8: `dequantize` them). One
-    copy (whole blocks, index_select: a memcpy), then views."""
+    blocks): its cache is [blocks, KV, block_size, 2 * head_size], per block and KV head the keys, then the values; the
+    keys as [head_size, block_size] ("transposed": the vec ISAs) or [block_size / 16, head_size / 2, 16, 2] ("amx");
+    an fp8 cache the same in bytes (uint8: `dequantize` them). One copy (whole blocks, index_select: a memcpy), then
+    views (and, for amx, a permute)."""
     num_blocks, kv, block, double = cache.shape
+    size = double // 2
     requests, count = blocks.shape
-    keys = cache.view(num_blocks, kv, 2, double // 2 * block)[:, :, 0]  # the key halves (a view)
-    return keys.index_select(0, blocks.reshape(-1)).view(requests, count, kv, double // 2, block)[:, :, :, :width]
+    keys = cache.view(num_blocks, kv, 2, size * block)[:, :, 0]  # the key halves (a view)
+    keys = keys.index_select(0, blocks.reshape(-1))
+    if layout == "amx":  # (.., tile, pair, position in tile, element of pair) -> (.., feature, position)
+        keys = keys.view(-1, kv, block // 16, size // 2, 16, 2).permute(0, 1, 3, 5, 2, 4)
+    return keys.reshape(requests, count, kv, size, block)[:, :, :, :width]
+
+
+def root_layout(layer) -> str:
+    """The key layout of a root layer's cache: its ISA's (vLLM's CPU backend sets `isa` on its layers)."""
+    return ROOT_LAYOUTS[layer.isa]
 
 
 def own_views(cache: torch.Tensor, key_width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -292,7 +305,8 @@ def attend(layer: "LowRankCacheAttention", sources: list, query: torch.Tensor, r
         cache, fp8 = source.kv_cache, FP8_FORMATS.get(source.kv_cache_dtype)
         blocks = source_meta.block_table.index_select(0, index)[:, : -(-longest // cache.shape[2])]
         if part.kind == "root":
-            keys = dequantize(root_key_blocks(cache, blocks, part.width), source._k_scale_float, fp8, query.dtype)
+            stored = root_key_blocks(cache, blocks, part.width, root_layout(source))
+            keys = dequantize(stored, source._k_scale_float, fp8, query.dtype)
         else:
             kv = cache.shape[1]
             stored, values = own_blocks(cache, blocks, part.key_heads // kv * part.width)
@@ -396,8 +410,10 @@ def kernel_attention(layer: "LowRankCacheAttention", sources: list, query: Share
         return "caches (shape, strides): " + ", ".join(f"{tuple(c.shape)} {c.stride()}" for c in [*caches, own])
     tables = [source_meta.block_table.to(torch.int32) for _, source_meta in sources]
     torch.ops.hfcompress.lisa_attention(
-        query.below, query.source, query.scale.float().contiguous(), query.own, output, meta.query_start_t, meta.seq_lens_t, n, layer.window or 0, caches, tables,
-        [int(part.kind == "root") for part in layer.parts], [getattr(layer, f"part_heads_{i}") for i in range(len(caches))],
+        query.below, query.source, query.scale.float().contiguous(), query.own, output, meta.query_start_t,
+        meta.seq_lens_t, n, layer.window or 0, caches, tables,
+        [ROOT_LAYOUT_CODES[root_layout(source)] if part.kind == "root" else 0 for part, (source, _) in zip(layer.parts, sources)],
+        [getattr(layer, f"part_heads_{i}") for i in range(len(caches))],
         [part.width for part in layer.parts],
         [part.key_heads // cache.shape[1] if part.kind == "lowrank" else 1 for part, cache in zip(layer.parts, caches)],
         [float(source._k_scale_float) for source, _ in sources],
@@ -440,7 +456,7 @@ def lisa_attention(below: torch.Tensor, source: torch.Tensor, scale: torch.Tenso
         for part in layer.parts:
             if part.kind == "root":
                 isa = getattr(context.no_compile_layers[part.layer_name], "isa", None)
-                if isa not in READABLE_ISAS:
+                if isa not in ROOT_LAYOUTS:
                     raise UnservableModel(
                         f"{layer_name}: the layer below runs vLLM's CPU attention with ISA {isa!r}, whose cache layout "
                         "the hfcompress plugin does not read; serve with dtype float32 (or set HFCOMPRESS_VLLM_KV=concat)."

@@ -1,6 +1,6 @@
 """Random LISA shared-layer attention problems in vLLM's real cache layouts, for the kernel test
 (test_lisa_kernel.py) and its benchmark (benchmarks/vllm_lowrank_kernel.py): a root layer's CPU-backend cache (per
-block and KV head the keys as [head size, block], then V), the low-rank caches of a chain of shared layers
+block and KV head the keys as its ISA lays them out, then V), the low-rank caches of a chain of shared layers
 ([blocks, KV, block, key width + d]), each with its own shuffled block table, and requests of mixed lengths (decodes
 and prefill chunks) as `lowrank.kernel_attention` / `lowrank.torch_attention` take them."""
 
@@ -36,11 +36,13 @@ def random_cache(shape: tuple, dtype: torch.dtype, kv_cache_dtype: str, scale: f
 def random_problem(requests: list[tuple[int, int]], *, heads: int = 9, kv: int = 3, d: int = 64,
                    root_head_size: int | None = None, chain: tuple = ((3, 20), (9, 20)), block: int | tuple = 32,
                    window: int | None = None, dtype: torch.dtype = torch.float32, kv_cache_dtype: str = "auto",
-                   scales: tuple = (1.0, 1.0, 1.0), padding_rows: int = 0, seed: int = 0) -> Problem:  # fmt: skip
+                   scales: tuple = (1.0, 1.0, 1.0), padding_rows: int = 0, seed: int = 0,
+                   root_isa: str = "vec") -> Problem:  # fmt: skip
     """`requests`: per request (keys, query rows): a decode has 1 row, a prefill chunk more, the last rows of its keys.
     `chain`: the low-rank parts after the root's K, (key heads, rank) each, the last this layer's own. `block`: the
     block size, or one per layer (the root's first; vLLM splits blocks for backends that take smaller ones). `scales`:
-    the layers' k scales (the root's first, used with fp8) and, last, this layer's v scale. Align: each query head
+    the layers' k scales (the root's first, used with fp8) and, last, this layer's v scale. `root_isa`: the CPU
+    backend's ISA whose key layout the root's cache has ("vec": transposed; "amx": packed). Align: each query head
     takes a random below head's features (sources repeat, as Align's do) times a random scale; a below part's head
     map is per below head, so the query heads of one source read one head of it."""
     torch.manual_seed(seed)
@@ -60,7 +62,7 @@ def random_problem(requests: list[tuple[int, int]], *, heads: int = 9, kv: int =
 
     root_size = root_head_size or d
     root = SimpleNamespace(kv_cache=random_cache((num_blocks, kv, sizes[0], 2 * root_size), dtype, kv_cache_dtype, scales[0]),
-                           kv_cache_dtype=kv_cache_dtype, _k_scale_float=scales[0])  # fmt: skip
+                           kv_cache_dtype=kv_cache_dtype, _k_scale_float=scales[0], isa=root_isa)  # fmt: skip
     layers.append((root, SimpleNamespace(block_table=table(sizes[0]))))
     source = torch.randint(heads, (heads,))
     parts = [KeyPart("root", "root", torch.randint(kv, (heads,))[source].tolist(), d)]

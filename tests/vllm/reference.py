@@ -4,7 +4,8 @@ Runs in the main environment (.venv: hfcompress's transformers and remote code),
 transformers): `python tests/vllm/reference.py OUT_DIR NAME [NAME ...]` writes OUT_DIR/NAME/ (a converted repo:
 config.json with auto_map, model.safetensors, the remote-code files, tokenizer) and OUT_DIR/NAME.json (prompts, the
 remote code's greedy tokens and their log-probabilities, fp32, loaded from the written directory with
-trust_remote_code=True in this process, each prompt alone, with the remote code's own cache).
+trust_remote_code=True in this process, each prompt alone, with the remote code's own cache). `NAME=DIR` references a
+model directory as it is (a real conversion's output or an original) on the smollm2 case's prompts: OUT_DIR/NAME.json.
 
 Models (NAME): a tiny random checkpoint per family (tests/test_families.py's), converted in memory with the repo's own
 APIs (`converted_config`, the family's remote classes, `save_companion_files`): sparse-Align shared layers (a chain where
@@ -194,10 +195,23 @@ def build(name: str, root: Path) -> None:
         (root / f"{name}-original.json").write_text(json.dumps(greedy_reference(root / f"{name}-original", prompts)))
 
 
+def reference_of(path: Path, out: Path) -> None:
+    """The reference of a model directory as it is (a real `hfcompress convert` output, or an original): the smollm2
+    case's prompts (real text, 3-300 tokens) on its tokenizer, written to `out`."""
+    from transformers import AutoTokenizer
+
+    prompts = prompts_for(AutoTokenizer.from_pretrained(path), PROMPTS, 300, seed=7)
+    out.write_text(json.dumps(greedy_reference(path, prompts)))
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     root = Path(sys.argv[1])
     root.mkdir(parents=True, exist_ok=True)
     for name in sys.argv[2:]:
-        build(name, root)
+        if "=" in name:  # NAME=DIR: a directory as it is, its reference to OUT_DIR/NAME.json
+            name, path = name.split("=", 1)
+            reference_of(Path(path), root / f"{name}.json")
+        else:
+            build(name, root)
         print(f"reference: {name} written", flush=True)

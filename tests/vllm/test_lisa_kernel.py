@@ -4,7 +4,7 @@ several requests of mixed lengths (decodes, a prefill chunk after cached keys, a
 size, block sizes differing per cache), GQA with free head maps per part, chains of two low-rank parts, one low-rank key per query head, a root head size
 padded past the head dim, sliding windows, block sizes that are not multiples of the kernel's 16 lanes, padding rows;
 fp32 to 1e-5, fp8 caches (e4m3 / e5m2, non-unit scales) at fp32, bf16 and fp16 against the fp32 reference of the same
-caches. Runs in .venv-vllm."""
+caches, a root cache packed as vLLM's AMX ISA packs keys (bf16, fp8). Runs in .venv-vllm."""
 
 from __future__ import annotations
 
@@ -37,6 +37,24 @@ def run_both(problem: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     torch_attention(problem.layer, problem.sources, problem.query.concatenated(), torch_out, problem.meta, problem.n)
     assert torch.equal(kernel_out[problem.n :], torch_out[problem.n :])  # padding rows untouched by both
     return kernel_out[: problem.n], torch_out[: problem.n]
+
+
+def fp32_reference(problem: Problem) -> torch.Tensor:
+    """The torch reference in fp32 on the same (upcast) caches and queries: the first n rows."""
+    q = problem.query
+    exact = Problem(problem.layer, problem.sources, SharedQuery(q.below.float(), q.source, q.scale.float(), q.own.float()),
+                    problem.meta, problem.n)  # fmt: skip
+    saved = [(source, source.kv_cache) for source, _ in problem.sources]
+    for source, cache in saved:
+        if cache.is_floating_point():  # fp8 bytes stay bytes (dequantized to the query's fp32 as read)
+            source.kv_cache = cache.float()
+    try:
+        exact_out = exact.output()
+        torch_attention(exact.layer, exact.sources, exact.query.concatenated(), exact_out, exact.meta, exact.n)
+    finally:
+        for source, cache in saved:
+            source.kv_cache = cache
+    return exact_out[: problem.n]
 
 
 SHAPES = {
@@ -75,26 +93,31 @@ def test_kernel_matches_the_torch_reference_fp8(kv_cache_dtype):
     torch.testing.assert_close(kernel_out, torch_out, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_kernel_reads_an_amx_packed_root(kv_cache_dtype):
+    """The root's K as vLLM's AMX ISA packs it (bf16 on CPUs with AMX tiles: [block / 16, head size / 2, 16, 2] per
+    block and KV head; fp8 bytes the same way): the kernel against the reference (which reads it with
+    `root_key_blocks(..., "amx")`), in bf16 and with fp8 caches, blocks of 32 and 64 (vLLM's split blocks)."""
+    problem = random_problem(REQUESTS, dtype=torch.bfloat16, kv_cache_dtype=kv_cache_dtype, block=(64, 32, 32),
+                             scales=(0.37, 0.8, 1.3, 0.6), window=60, root_isa="amx")  # fmt: skip
+    kernel_out, _ = run_both(problem)
+    exact_out = fp32_reference(problem)
+    assert (kernel_out.float() - exact_out).abs().max() <= 2 * torch.finfo(torch.bfloat16).eps * exact_out.abs().max()
+    transposed = problem.output()  # the same cache read as if transposed: another result (the layout matters)
+    problem.sources[0][0].isa = "vec"
+    assert kernel_attention(problem.layer, problem.sources, problem.query, transposed, problem.meta, problem.n) is None
+    assert (transposed[: problem.n].float() - kernel_out.float()).abs().max() > 0.1
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_kernel_in_half_precision_is_at_least_as_close_as_the_reference(dtype):
     """bf16 / fp16 caches and queries: the kernel computes in fp32 (the reference in the dtype), so against the fp32
     reference of the same (upcast) caches it is no further off than the torch path."""
     problem = random_problem(REQUESTS, dtype=dtype, window=60)
     kernel_out, torch_out = run_both(problem)
-    q = problem.query
-    exact = Problem(problem.layer, problem.sources, SharedQuery(q.below.float(), q.source, q.scale.float(), q.own.float()),
-                    problem.meta, problem.n)  # fmt: skip
-    saved = [(source, source.kv_cache) for source, _ in problem.sources]
-    for source, cache in saved:
-        source.kv_cache = cache.float()
-    try:
-        exact_out = exact.output()
-        torch_attention(exact.layer, exact.sources, exact.query.concatenated(), exact_out, exact.meta, exact.n)
-    finally:
-        for source, cache in saved:
-            source.kv_cache = cache
-    kernel_error = (kernel_out.float() - exact_out[: problem.n]).abs().max()
-    torch_error = (torch_out.float() - exact_out[: problem.n]).abs().max()
+    exact_out = fp32_reference(problem)
+    kernel_error = (kernel_out.float() - exact_out).abs().max()
+    torch_error = (torch_out.float() - exact_out).abs().max()
     assert kernel_error <= torch_error, (kernel_error, torch_error)
     assert kernel_error <= 2 * torch.finfo(dtype).eps * exact_out.abs().max()
 

@@ -143,6 +143,37 @@ def test_root_keys_are_read_where_the_cpu_backend_writes_fp8(kv_cache_dtype):
     assert torch.equal(back[-2:], torch.tensor([1.0, -1.0]) * torch.finfo(fp8).max * scale)
 
 
+@pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="vLLM's CPU backend packs keys for AMX only where AMX runs")
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "fp8_e5m2"])
+def test_root_keys_are_read_where_the_amx_backend_writes_them(kv_cache_dtype):
+    """bf16 on a CPU with AMX tiles: keys written by vLLM's own op with the "amx" ISA (packed in tiles of 16 positions,
+    features in pairs; fp8 bytes the same way) into two blocks out of order, one partly filled, are read back by
+    `root_key_blocks(..., "amx")` exactly in bf16, within the format's rounding step in fp8."""
+    import vllm._custom_ops as ops
+
+    from hfcompress.vllm_plugin.lowrank import FP8_FORMATS, dequantize, root_key_blocks, root_cache_readable
+
+    assert root_cache_readable(torch.bfloat16, 32, 64, kv_cache_dtype)
+    fp8 = FP8_FORMATS.get(kv_cache_dtype)
+    blocks, kv, block, d = 4, 2, 32, 64
+    cache = torch.zeros(blocks, kv, block, 2 * d, dtype=torch.bfloat16 if fp8 is None else torch.uint8)
+    key_cache, value_cache = cache.view(blocks, kv, 2 * block, d).chunk(2, dim=2)
+    torch.manual_seed(0)
+    keys = (torch.randn(48, kv, d) * 3).bfloat16()
+    slots = torch.cat([torch.arange(3 * block, 4 * block), torch.arange(block, block + 16)])  # block 3, half of block 1
+    ops.cpu_attn_reshape_and_cache(keys, torch.randn(48, kv, d).bfloat16(), key_cache, value_cache, slots, "amx",
+                                   k_scale=1.0, v_scale=1.0, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+    read = dequantize(root_key_blocks(cache, torch.tensor([[3, 1]]), d, "amx"), 1.0, fp8, torch.float32)
+    read = read[0].permute(0, 3, 1, 2).reshape(2 * block, kv, d)[:48]
+    if fp8 is None:
+        assert torch.equal(read, keys.float())
+    else:
+        step = 2.0 ** -(3 if fp8 == torch.float8_e4m3fn else 2)
+        tiny = torch.finfo(fp8).smallest_normal
+        assert ((read - keys.float()).abs() <= (keys.float().abs() * step).clamp_min(tiny)).all()
+        assert (read - keys.float()).abs().max() > 0
+
+
 # how much further off than the original's the converted model's log-probs may be (mean, max |delta|): measured with
 # fp8 0.91x / 1.26x, with fp8_e5m2 1.57x / 1.43x (the root's K, rounded toward zero by the CPU backend, is read by
 # three layers of the converted model; its shared layers' own keys and V add their rounding)

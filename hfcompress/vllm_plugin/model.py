@@ -16,9 +16,9 @@ cache vLLM allocates for it like any other, and reads the root's K (and a chain'
 in the root's paged cache; its attention is the plugin's own (a C++ kernel reading the caches in place, scoring each
 Align source once; torch over the gathered blocks where it cannot build). Whatever the head
 matching, the served model caches less than the original. This needs the root's cache in a layout the plugin reads:
-vLLM's CPU backend (at the model's dtype or an fp8 KV cache), not its AMX packing (bf16 on CPUs with AMX), not the GPU
-backends. There (or with
-HFCOMPRESS_VLLM_KV=concat) the layouts below, over concatenated features, serve instead.
+vLLM's CPU backend (at the model's dtype or an fp8 KV cache; its vec ISAs' transposed keys and its AMX packing, bf16
+on CPUs with AMX tiles), not the GPU backends. There (or with HFCOMPRESS_VLLM_KV=concat) the layouts below, over
+concatenated features, serve instead.
 
 Concatenated features. vLLM's attention backends take K and V of one head size (the CPU backend: from a fixed list), so
 a shared layer's own cache of [root key | low-rank keys] and V would cost more than the original layer. Instead the
@@ -345,7 +345,7 @@ def describe(plans: list[LayerPlan]) -> dict[int, str]:
 
 def lowrank_layout(config, dtype: torch.dtype, block_size: int | None, kv_cache_dtype: str = "auto") -> bool:
     """Whether the shared layers get the low-rank layout (their own keys and V; the root's K read from its cache):
-    wherever the full layers' cache layout is one lowrank.py reads (vLLM's CPU backend, not its AMX packing; fp32/bf16
+    wherever the full layers' cache layout is one lowrank.py reads (vLLM's CPU backend, its vec or AMX ISA; fp32/bf16
     or fp8 at `kv_cache_dtype`), unless HFCOMPRESS_VLLM_KV=concat asks for the concatenated-feature layouts (grouped /
     own)."""
     from .lowrank import root_cache_readable

@@ -42,9 +42,14 @@ def main() -> None:
     args = parser.parse_args()
     if not lisa_kernel():
         sys.exit("the C++ kernel did not build (see the warning above)")
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
     requests = [(args.context, args.prefill)] if args.prefill else [(args.context, 1)] * args.seqs
-    problem = random_problem(requests, chain=((3, 20),) * args.chain, block=args.block, dtype=getattr(torch, args.dtype),
-                             kv_cache_dtype=args.kv_cache_dtype, scales=(1.0,) * (args.chain + 2))  # fmt: skip
+    dtype = getattr(torch, args.dtype)
+    isa = _get_attn_isa(dtype, args.block, 64, args.kv_cache_dtype)  # the root's: its cache is in this ISA's layout
+    problem = random_problem(requests, chain=((3, 20),) * args.chain, block=args.block, dtype=dtype,
+                             kv_cache_dtype=args.kv_cache_dtype, scales=(1.0,) * (args.chain + 2), root_isa=isa)  # fmt: skip
     outputs = {"kernel": problem.output(), "torch": problem.output()}
     concatenated = problem.query.concatenated()  # the torch path's query (the op builds it outside the timing too)
 
@@ -54,15 +59,12 @@ def main() -> None:
     def reference() -> None:
         torch_attention(problem.layer, problem.sources, concatenated, outputs["torch"], problem.meta, problem.n)
 
-    from vllm import _custom_ops as ops
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
     root = problem.sources[0][0].kv_cache
     blocks, kv, block, double = root.shape
     key_cache, value_cache = root.view(blocks, kv, 2 * block, double // 2).chunk(2, dim=2)
     full_query = torch.randn(problem.n, problem.layer.num_heads, double // 2).to(root.dtype)
     outputs["vllm"] = torch.empty_like(full_query)
-    meta, isa = problem.meta, _get_attn_isa(root.dtype, block, double // 2, args.kv_cache_dtype)
+    meta = problem.meta
     query_start, seq_lens = meta.query_start_t.to(torch.int32), meta.seq_lens_t.to(torch.int32)
     schedule = ops.cpu_attn_get_scheduler_metadata(len(requests), problem.layer.num_heads, kv, double // 2, seq_lens, root.dtype,
                                                    query_start, True, -1, isa, False, kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
@@ -82,7 +84,7 @@ def main() -> None:
                 times[name].append(time.perf_counter() - start)
     error = (outputs["kernel"].float() - outputs["torch"].float()).abs().max().item()
     shape = f"prefill chunk of {args.prefill} rows" if args.prefill else f"decode, {args.seqs} sequences"
-    print(f"{shape}, {args.context} keys, block {args.block}, chain part {args.chain}, {args.dtype}, KV {args.kv_cache_dtype}, "
+    print(f"{shape}, {args.context} keys, block {args.block}, chain part {args.chain}, {args.dtype}, KV {args.kv_cache_dtype}, ISA {isa}, "
           f"{torch.get_num_threads()} thread(s), median of {args.repeats}:")  # fmt: skip
     base = statistics.median(times["torch"])
     for name, values in times.items():

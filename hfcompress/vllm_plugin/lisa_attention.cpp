@@ -302,15 +302,21 @@ const float* key_tile(const Context& c, const Part& part, int64_t blk, int64_t o
   ldk = c.ld;
   const int64_t cols = round_up(n, LANES);
   with_reader(part.data, part.format, part.scale, [&](auto get) {
-    if (part.amx) {  // position t's feature pair i / 2 at tile t / 16, pair row i / 2, column t % 16
-      for (int64_t p = 0; p < n; ++p) {
-        const int64_t t = off + p;
-        const int64_t at = head + (t >> 4) * part.amx_tile + (t & 15) * 2;
-        for (int i = 0; i < part.width; ++i) scratch[i * c.ld + p] = get(at + (i >> 1) * 32 + (i & 1));
+    if (part.amx) {  // per tile of 16 positions and feature pair, 32 elements: position-major, the pair interleaved
+      for (int64_t t0 = off; t0 < off + n; t0 += 16) {
+        const int64_t tile = head + (t0 >> 4) * part.amx_tile, p0 = t0 - off, m = std::min<int64_t>(16, off + n - t0);
+        for (int i = 0; i < part.width; ++i) {
+          float* dst = scratch + i * c.ld + p0;
+          const int64_t at = tile + (i >> 1) * 32 + (i & 1);
+          for (int64_t q = 0; q < m; ++q) dst[q] = get(at + 2 * q);
+        }
       }
-    } else {
-      for (int64_t p = 0; p < n; ++p)
-        for (int i = 0; i < part.width; ++i) scratch[i * c.ld + p] = get(base + p * part.pos_stride + i * part.elem_stride);
+    } else {  // a feature's positions are consecutive (pos_stride 1): read and written as rows
+      for (int i = 0; i < part.width; ++i) {
+        float* dst = scratch + i * c.ld;
+        const int64_t at = base + i * part.elem_stride;
+        for (int64_t p = 0; p < n; ++p) dst[p] = get(at + p * part.pos_stride);
+      }
     }
     for (int i = 0; i < part.width; ++i)
       for (int64_t p = n; p < cols; ++p) scratch[i * c.ld + p] = 0.0f;

@@ -35,6 +35,8 @@ constexpr int ROW_TILE = 32;  // a prefill's query rows per work item
 constexpr int MICRO_ROWS = 8;  // rows of a micro-kernel call (its accumulators stay in registers)
 
 enum Format { F32 = 0, BF16 = 1, F16 = 2, E4M3 = 3, E5M2 = 4 };
+// key tiles read in place: fp32 or bf16 rows (a feature's positions consecutive), bf16 packed for AMX; NONE: gathered
+enum InPlace { NONE = 0, F32_ROWS = 1, BF16_ROWS = 2, AMX_PAIRS = 3 };
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -118,18 +120,70 @@ inline float max_of(vec v) {
   return m;
 }
 
+// The matrix M of a rank update, row i's LANES columns from column j as fp32 (`vec(i, j)`; one element: `at(i, j)`),
+// read where it lies: fp32 rows, bf16 rows (a bf16 is an fp32's high half: widened as loaded), or the root's K as vLLM
+// packs it for AMX (per tile of 16 positions, a feature pair's 16 x 2 bf16: one uint32 per position, the even feature
+// in its low half).
+typedef uint16_t hvec __attribute__((vector_size(LANES * sizeof(uint16_t)), aligned(2)));
+typedef uint32_t uvec __attribute__((vector_size(LANES * sizeof(uint32_t)), aligned(4)));
+
+inline vec as_floats(uvec bits) {
+  vec v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+inline float bf16_at(const uint16_t* p) {
+  const uint32_t bits = static_cast<uint32_t>(*p) << 16;
+  float x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+struct F32Rows {
+  const float* m;
+  int64_t ld;
+  vec operator()(int64_t i, int64_t j) const { return load(m + i * ld + j); }
+  float at(int64_t i, int64_t j) const { return m[i * ld + j]; }
+};
+
+struct BF16Rows {
+  const uint16_t* m;
+  int64_t ld;
+  vec operator()(int64_t i, int64_t j) const {
+    return as_floats(__builtin_convertvector(*reinterpret_cast<const hvec*>(m + i * ld + j), uvec) << 16);
+  }
+  float at(int64_t i, int64_t j) const { return bf16_at(m + i * ld + j); }
+};
+
+struct AMXRows {
+  const uint32_t* m;  // the first tile of the positions read
+  int64_t tile;       // uint32s per tile of 16 positions (8 x head size)
+  vec operator()(int64_t i, int64_t j) const {
+    const uvec pairs = *reinterpret_cast<const uvec*>(m + (j >> 4) * tile + (i >> 1) * 16);
+    return as_floats((i & 1) ? (pairs & 0xFFFF0000u) : (pairs << 16));
+  }
+  float at(int64_t i, int64_t j) const {
+    const uint32_t pair = m[(j >> 4) * tile + (i >> 1) * 16 + (j & 15)];
+    const uint32_t bits = (i & 1) ? (pair & 0xFFFF0000u) : (pair << 16);
+    float x;
+    std::memcpy(&x, &bits, sizeof x);
+    return x;
+  }
+};
+
 // Out[r][j:j+C*LANES] (+)= sum_{i0 <= i < i1} A[r][i] * M[i][j:...] for R rows given by pointers: C vectors of
 // columns at a time, the R x C accumulators in registers. Scores: A the queries, M the (transposed) keys; values: A the
 // probabilities, M the values.
-template <int R, int C>
-inline void rank_update_tile(float* const* Out, const float* const* A, const float* M, int64_t ldm, int64_t i0,
-                             int64_t i1, int64_t j, bool accumulate) {
+template <int R, int C, typename Rows>
+inline void rank_update_tile(float* const* Out, const float* const* A, const Rows& M, int64_t i0, int64_t i1, int64_t j,
+                             bool accumulate) {
   vec acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = accumulate ? load(Out[r] + j + c * LANES) : vec{};
   for (int64_t i = i0; i < i1; ++i) {
     vec m[C];
-    for (int c = 0; c < C; ++c) m[c] = load(M + i * ldm + j + c * LANES);
+    for (int c = 0; c < C; ++c) m[c] = M(i, j + c * LANES);
     for (int r = 0; r < R; ++r) {
       const float a = A[r][i];
       for (int c = 0; c < C; ++c) acc[r][c] += a * m[c];
@@ -147,31 +201,32 @@ constexpr int columns_for() { return R <= 2 ? 8 : (R <= 4 ? 4 : 2); }
 
 template <int R>
 struct Scores {
-  static void run(float* const* S, const float* const* Q, const float* K, int64_t ldk, int width, int64_t cols,
-                  bool accumulate) {
+  template <typename Rows>
+  static void run(float* const* S, const float* const* Q, const Rows& K, int width, int64_t cols, bool accumulate) {
     constexpr int C = columns_for<R>();
     int64_t j = 0;
-    for (; j + C * LANES <= cols; j += C * LANES) rank_update_tile<R, C>(S, Q, K, ldk, 0, width, j, accumulate);
-    for (; j + 2 * LANES <= cols; j += 2 * LANES) rank_update_tile<R, 2>(S, Q, K, ldk, 0, width, j, accumulate);
-    if (j < cols) rank_update_tile<R, 1>(S, Q, K, ldk, 0, width, j, accumulate);
+    for (; j + C * LANES <= cols; j += C * LANES) rank_update_tile<R, C>(S, Q, K, 0, width, j, accumulate);
+    for (; j + 2 * LANES <= cols; j += 2 * LANES) rank_update_tile<R, 2>(S, Q, K, 0, width, j, accumulate);
+    if (j < cols) rank_update_tile<R, 1>(S, Q, K, 0, width, j, accumulate);
   }
 };
 
 template <int R>
 struct Values {
-  static void run(float* const* O, const float* const* P, const float* V, int64_t ldv, int64_t p0, int64_t p1, int d) {
+  template <typename Rows>
+  static void run(float* const* O, const float* const* P, const Rows& V, int64_t p0, int64_t p1, int d) {
     constexpr int C = columns_for<R>();
     int64_t j = 0;
-    for (; j + C * LANES <= d; j += C * LANES) rank_update_tile<R, C>(O, P, V, ldv, p0, p1, j, true);
-    for (; j + 2 * LANES <= d; j += 2 * LANES) rank_update_tile<R, 2>(O, P, V, ldv, p0, p1, j, true);
+    for (; j + C * LANES <= d; j += C * LANES) rank_update_tile<R, C>(O, P, V, p0, p1, j, true);
+    for (; j + 2 * LANES <= d; j += 2 * LANES) rank_update_tile<R, 2>(O, P, V, p0, p1, j, true);
     if (j + LANES <= d) {
-      rank_update_tile<R, 1>(O, P, V, ldv, p0, p1, j, true);
+      rank_update_tile<R, 1>(O, P, V, p0, p1, j, true);
       j += LANES;
     }
     for (; j < d; ++j)  // a head size not a multiple of LANES (tiny test models)
       for (int r = 0; r < R; ++r) {
         float a = O[r][j];
-        for (int64_t p = p0; p < p1; ++p) a += P[r][p] * V[p * ldv + j];
+        for (int64_t p = p0; p < p1; ++p) a += P[r][p] * V.at(p, j);
         O[r][j] = a;
       }
   }
@@ -219,7 +274,7 @@ struct Part {
   float scale;
   const int32_t* table;
   int64_t table_stride;
-  bool direct;  // fp32 keys transposed per block: read in place
+  int in_place;  // how its key tiles are read in place (InPlace), or NONE: gathered into fp32
   // the root's K as the AMX ISA packs it (bf16 or fp8): per block and KV head [block / 16][head size / 2][16][2]
   bool amx;
   int64_t amx_tile;  // elements of one tile of 16 positions: 16 * head size
@@ -289,17 +344,22 @@ void store_row(char* base, int format, int64_t k, const float* src, float mul, i
   }
 }
 
-// The keys of part head `ph` in block `blk` at positions [off, off + n): a float matrix [width][ld] (zero past n), or,
-// for fp32 keys already transposed in the cache, a pointer into it.
-const float* key_tile(const Context& c, const Part& part, int64_t blk, int64_t off, int ph, int64_t n, float* scratch,
-                      int64_t& ldk) {
+// Calls f(rows) with the keys of part head `ph` in block `blk` at positions [off, off + n) as rows (row i: feature i
+// over the positions): in place where the cache allows (`Part::in_place`), else gathered as fp32 into `scratch` (zero
+// past n).
+template <typename F>
+void with_keys(const Context& c, const Part& part, int64_t blk, int64_t off, int ph, int64_t n, float* scratch, F&& f) {
   const int64_t head = blk * part.block_stride + part.head_base[ph];
   const int64_t base = head + off * part.pos_stride;
-  if (part.direct) {
-    ldk = part.elem_stride;
-    return reinterpret_cast<const float*>(part.data) + base;
+  switch (part.in_place) {
+    case F32_ROWS: return f(F32Rows{reinterpret_cast<const float*>(part.data) + base, part.elem_stride});
+    case BF16_ROWS: return f(BF16Rows{reinterpret_cast<const uint16_t*>(part.data) + base, part.elem_stride});
+    case AMX_PAIRS: {
+      const uint16_t* first = reinterpret_cast<const uint16_t*>(part.data) + head + (off >> 4) * part.amx_tile;
+      return f(AMXRows{reinterpret_cast<const uint32_t*>(first), part.amx_tile / 2});
+    }
+    default: break;
   }
-  ldk = c.ld;
   const int64_t cols = round_up(n, LANES);
   with_reader(part.data, part.format, part.scale, [&](auto get) {
     if (part.amx) {  // per tile of 16 positions and feature pair, 32 elements: position-major, the pair interleaved
@@ -321,24 +381,21 @@ const float* key_tile(const Context& c, const Part& part, int64_t blk, int64_t o
     for (int i = 0; i < part.width; ++i)
       for (int64_t p = n; p < cols; ++p) scratch[i * c.ld + p] = 0.0f;
   });
-  return scratch;
+  f(F32Rows{scratch, c.ld});
 }
 
-// V of KV head `kv` in block `blk` at positions off + [p0, n): a float matrix [position][d] (a pointer into an fp32
-// cache)
-const float* value_tile(const Context& c, int64_t blk, int64_t off, int64_t kv, int64_t p0, int64_t n, float* scratch,
-                        int64_t& ldv) {
+// Calls f(rows) with V of KV head `kv` in block `blk` at positions off + [p0, n) as rows [position][d]: in place in an
+// fp32 or bf16 cache, else gathered as fp32 into `scratch`.
+template <typename F>
+void with_values(const Context& c, int64_t blk, int64_t off, int64_t kv, int64_t p0, int64_t n, float* scratch, F&& f) {
   const int64_t base = blk * c.v_block_stride + kv * c.v_head_stride + c.v_offset + off * c.v_pos_stride;
-  if (c.v_format == F32) {
-    ldv = c.v_pos_stride;
-    return reinterpret_cast<const float*>(c.v_data) + base;
-  }
-  ldv = c.d;
+  if (c.v_format == F32) return f(F32Rows{reinterpret_cast<const float*>(c.v_data) + base, c.v_pos_stride});
+  if (c.v_format == BF16) return f(BF16Rows{reinterpret_cast<const uint16_t*>(c.v_data) + base, c.v_pos_stride});
   with_reader(c.v_data, c.v_format, c.v_scale, [&](auto get) {
     for (int64_t p = p0; p < n; ++p)
       for (int64_t x = 0; x < c.d; ++x) scratch[p * c.d + x] = get(base + p * c.v_pos_stride + x);
   });
-  return scratch;
+  f(F32Rows{scratch, c.d});
 }
 
 // Query rows [row0, row0 + rows) of request `req`, the query heads of KV heads [kv0, kv1)
@@ -427,11 +484,11 @@ void attend_item(const Context& c, int64_t req, int64_t row0, int64_t rows, int6
       for (size_t ph = 0; ph < part.readers.size(); ++ph, ++slot) {
         const size_t begin = s.part_rows[slot], end = s.part_rows[slot + 1];
         if (begin == end) continue;
-        int64_t ldk;
-        const float* keys = key_tile(c, part, blk, off, static_cast<int>(ph), n, s.keys.data(), ldk);
         // below parts: the first writes the slots' scores, the next add to them; the own part writes the heads'
-        over_rows<Scores>(end - begin, s.s_rows.data() + begin, s.q_rows.data() + begin, keys, ldk, part.width, cols,
-                          pi > 0 && pi + 1 < P);
+        with_keys(c, part, blk, off, static_cast<int>(ph), n, s.keys.data(), [&](const auto& keys) {
+          over_rows<Scores>(end - begin, s.s_rows.data() + begin, s.q_rows.data() + begin, keys, part.width, cols,
+                            pi > 0 && pi + 1 < P);
+        });
       }
     }
     // S = scale * S_below[source] + own term, then the masked online softmax: S becomes the block's probabilities (0
@@ -475,11 +532,10 @@ void attend_item(const Context& c, int64_t req, int64_t row0, int64_t rows, int6
     const int64_t vblk = c.v_table[req * c.v_table_stride + k0 / c.v_block], voff = k0 % c.v_block;
     const size_t per_kv = c.group * rows;
     for (int64_t kv = kv0; kv < kv1; ++kv) {
-      int64_t ldv;
-      const float* values = value_tile(c, vblk, voff, kv, jlo, n, s.values.data(), ldv);
       const size_t at = (kv - kv0) * per_kv;
-      over_rows<Values>(per_kv, s.o_rows.data() + at, s.p_rows.data() + at, values, ldv, jlo, n,
-                        static_cast<int>(d));
+      with_values(c, vblk, voff, kv, jlo, n, s.values.data(), [&](const auto& values) {
+        over_rows<Values>(per_kv, s.o_rows.data() + at, s.p_rows.data() + at, values, jlo, n, static_cast<int>(d));
+      });
     }
   }
   for (int64_t h = h0; h < h1; ++h)
@@ -580,7 +636,12 @@ void lisa_attention(const at::Tensor& below, const at::Tensor& source, const at:
       for (int64_t ph = 0; ph < part_heads; ++ph)
         part.head_base.push_back(ph / per * cache.stride(1) + ph % per * part.width * part.block);
     }
-    part.direct = part.format == F32 && !part.amx && c.block % LANES == 0;  // tiles of whole vectors inside its blocks
+    // in place: tiles of whole vectors inside its blocks (and, packed for AMX, tiles starting at a tile of 16)
+    part.in_place = c.block % LANES ? NONE
+                    : part.amx      ? (part.format == BF16 ? AMX_PAIRS : NONE)
+                    : part.format == F32 ? F32_ROWS
+                    : part.format == BF16 ? BF16_ROWS
+                                          : NONE;
     const at::Tensor& map = heads[pi];
     TORCH_CHECK(map.scalar_type() == at::kLong && map.numel() == c.heads && map.is_contiguous(),
                 "hfcompress lisa_attention: a part's head map has one int64 per query head");

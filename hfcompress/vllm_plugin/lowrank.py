@@ -412,7 +412,8 @@ def kernel_attention(layer: "LowRankCacheAttention", sources: list, query: Share
     torch.ops.hfcompress.lisa_attention(
         query.below, query.source, query.scale.float().contiguous(), query.own, output, meta.query_start_t,
         meta.seq_lens_t, n, layer.window or 0, caches, tables,
-        [ROOT_LAYOUT_CODES[root_layout(source)] if part.kind == "root" else 0 for part, (source, _) in zip(layer.parts, sources)],
+        [ROOT_LAYOUT_CODES[root_layout(source)] if part.kind == "root" else 0
+         for part, (source, _) in zip(layer.parts, sources)],
         [getattr(layer, f"part_heads_{i}") for i in range(len(caches))],
         [part.width for part in layer.parts],
         [part.key_heads // cache.shape[1] if part.kind == "lowrank" else 1 for part, cache in zip(layer.parts, caches)],

@@ -120,8 +120,8 @@ inline float max_of(vec v) {
   return m;
 }
 
-// The matrix M of a rank update, row i's LANES columns from column j as fp32 (`vec(i, j)`; one element: `at(i, j)`),
-// read where it lies: fp32 rows, bf16 rows (a bf16 is an fp32's high half: widened as loaded), or the root's K as vLLM
+// The matrix M of a rank update, row i's LANES columns from column j as fp32 (`M(i, j)`; one element of values:
+// `at(i, j)`), read where it lies: fp32 rows, bf16 rows (a bf16 is an fp32's high half: widened as loaded), or the root's K as vLLM
 // packs it for AMX (per tile of 16 positions, a feature pair's 16 x 2 bf16: one uint32 per position, the even feature
 // in its low half).
 typedef uint16_t hvec __attribute__((vector_size(LANES * sizeof(uint16_t)), aligned(2)));
@@ -162,13 +162,6 @@ struct AMXRows {
   vec operator()(int64_t i, int64_t j) const {
     const uvec pairs = *reinterpret_cast<const uvec*>(m + (j >> 4) * tile + (i >> 1) * 16);
     return as_floats((i & 1) ? (pairs & 0xFFFF0000u) : (pairs << 16));
-  }
-  float at(int64_t i, int64_t j) const {
-    const uint32_t pair = m[(j >> 4) * tile + (i >> 1) * 16 + (j & 15)];
-    const uint32_t bits = (i & 1) ? (pair & 0xFFFF0000u) : (pair << 16);
-    float x;
-    std::memcpy(&x, &bits, sizeof x);
-    return x;
   }
 };
 

@@ -111,29 +111,45 @@ def fp8_supported() -> bool:
 needs_fp8 = pytest.mark.skipif(not fp8_supported(), reason="vLLM's CPU backend has fp8 KV caches on x86 with AVX-512 only")
 
 
+def written_and_read(isa: str, dtype: torch.dtype, kv_cache_dtype: str, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """48 random keys (2 KV heads of 64) written by vLLM's CPU backend op with `isa` into two blocks out of order, one
+    partly filled, of a `dtype` cache (fp8 bytes where `kv_cache_dtype` says so), and the same keys read back by
+    `root_key_blocks` in that ISA's layout + `dequantize`: (keys, read), fp32."""
+    import vllm._custom_ops as ops
+
+    from hfcompress.vllm_plugin.lowrank import FP8_FORMATS, ROOT_LAYOUTS, dequantize, root_key_blocks
+
+    fp8 = FP8_FORMATS.get(kv_cache_dtype)
+    blocks, kv, block, d = 4, 2, 32, 64
+    cache = torch.zeros(blocks, kv, block, 2 * d, dtype=dtype if fp8 is None else torch.uint8)
+    key_cache, value_cache = cache.view(blocks, kv, 2 * block, d).chunk(2, dim=2)
+    torch.manual_seed(0)
+    keys = (torch.randn(48, kv, d) * 3).to(dtype)
+    slots = torch.cat([torch.arange(3 * block, 4 * block), torch.arange(block, block + 16)])  # block 3, half of block 1
+    ops.cpu_attn_reshape_and_cache(keys, torch.randn(48, kv, d).to(dtype), key_cache, value_cache, slots, isa,
+                                   k_scale=scale, v_scale=1.0, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+    read = dequantize(root_key_blocks(cache, torch.tensor([[3, 1]]), d, ROOT_LAYOUTS[isa]), scale, fp8, torch.float32)
+    return keys.float(), read[0].permute(0, 3, 1, 2).reshape(2 * block, kv, d)[:48]  # read: (1, 2, KV, d, block)
+
+
+def fp8_steps(fp8: torch.dtype) -> tuple[float, float]:
+    """The relative spacing of the format's normal values, and its smallest normal (below it, subnormals: an absolute
+    step)."""
+    return 2.0 ** -(3 if fp8 == torch.float8_e4m3fn else 2), torch.finfo(fp8).smallest_normal
+
+
 @needs_fp8
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
 def test_root_keys_are_read_where_the_cpu_backend_writes_fp8(kv_cache_dtype):
     """Keys written by vLLM's CPU backend op into an fp8 cache (a non-unit scale, two blocks out of order, one partly
     filled) and read back by `root_key_blocks` + `dequantize` are the keys, within the format's rounding step; a shared
     layer's own `quantize` round-trips within half a step and saturates instead of overflowing."""
-    import vllm._custom_ops as ops
-
-    from hfcompress.vllm_plugin.lowrank import FP8_FORMATS, dequantize, quantize, root_key_blocks
+    from hfcompress.vllm_plugin.lowrank import FP8_FORMATS, dequantize, quantize
 
     fp8 = FP8_FORMATS[kv_cache_dtype]
-    step = 2.0 ** -(3 if fp8 == torch.float8_e4m3fn else 2)  # relative spacing of the format's normal values
-    tiny = torch.finfo(fp8).smallest_normal  # below it, subnormals: an absolute step
-    blocks, kv, block, d, scale = 4, 2, 32, 64, 0.37
-    cache = torch.zeros(blocks, kv, block, 2 * d, dtype=torch.uint8)
-    key_cache, value_cache = cache.view(blocks, kv, 2 * block, d).chunk(2, dim=2)
-    torch.manual_seed(0)
-    keys = torch.randn(48, kv, d) * 3
-    slots = torch.cat([torch.arange(3 * block, 4 * block), torch.arange(block, block + 16)])  # block 3, half of block 1
-    ops.cpu_attn_reshape_and_cache(keys, torch.randn(48, kv, d), key_cache, value_cache, slots, "vec", k_scale=scale,
-                                   v_scale=1.0, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
-    read = dequantize(root_key_blocks(cache, torch.tensor([[3, 1]]), d), scale, fp8, torch.float32)  # (1, 2, KV, d, block)
-    read = read[0].permute(0, 3, 1, 2).reshape(2 * block, kv, d)[:48]
+    step, tiny = fp8_steps(fp8)
+    scale = 0.37
+    keys, read = written_and_read("vec", torch.float32, kv_cache_dtype, scale)
     assert ((read - keys).abs() <= (keys.abs() * step).clamp_min(tiny * scale)).all()
     assert (read - keys).abs().max() > 0  # stored in fp8, not as the model's dtype
 
@@ -149,29 +165,17 @@ def test_root_keys_are_read_where_the_amx_backend_writes_them(kv_cache_dtype):
     """bf16 on a CPU with AMX tiles: keys written by vLLM's own op with the "amx" ISA (packed in tiles of 16 positions,
     features in pairs; fp8 bytes the same way) into two blocks out of order, one partly filled, are read back by
     `root_key_blocks(..., "amx")` exactly in bf16, within the format's rounding step in fp8."""
-    import vllm._custom_ops as ops
-
-    from hfcompress.vllm_plugin.lowrank import FP8_FORMATS, dequantize, root_key_blocks, root_cache_readable
+    from hfcompress.vllm_plugin.lowrank import FP8_FORMATS, root_cache_readable
 
     assert root_cache_readable(torch.bfloat16, 32, 64, kv_cache_dtype)
+    keys, read = written_and_read("amx", torch.bfloat16, kv_cache_dtype, 1.0)
     fp8 = FP8_FORMATS.get(kv_cache_dtype)
-    blocks, kv, block, d = 4, 2, 32, 64
-    cache = torch.zeros(blocks, kv, block, 2 * d, dtype=torch.bfloat16 if fp8 is None else torch.uint8)
-    key_cache, value_cache = cache.view(blocks, kv, 2 * block, d).chunk(2, dim=2)
-    torch.manual_seed(0)
-    keys = (torch.randn(48, kv, d) * 3).bfloat16()
-    slots = torch.cat([torch.arange(3 * block, 4 * block), torch.arange(block, block + 16)])  # block 3, half of block 1
-    ops.cpu_attn_reshape_and_cache(keys, torch.randn(48, kv, d).bfloat16(), key_cache, value_cache, slots, "amx",
-                                   k_scale=1.0, v_scale=1.0, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
-    read = dequantize(root_key_blocks(cache, torch.tensor([[3, 1]]), d, "amx"), 1.0, fp8, torch.float32)
-    read = read[0].permute(0, 3, 1, 2).reshape(2 * block, kv, d)[:48]
     if fp8 is None:
-        assert torch.equal(read, keys.float())
+        assert torch.equal(read, keys)
     else:
-        step = 2.0 ** -(3 if fp8 == torch.float8_e4m3fn else 2)
-        tiny = torch.finfo(fp8).smallest_normal
-        assert ((read - keys.float()).abs() <= (keys.float().abs() * step).clamp_min(tiny)).all()
-        assert (read - keys.float()).abs().max() > 0
+        step, tiny = fp8_steps(fp8)
+        assert ((read - keys).abs() <= (keys.abs() * step).clamp_min(tiny)).all()
+        assert (read - keys).abs().max() > 0
 
 
 # how much further off than the original's the converted model's log-probs may be (mean, max |delta|): measured with

@@ -133,13 +133,6 @@ inline vec as_floats(uvec bits) {
   return v;
 }
 
-inline float bf16_at(const uint16_t* p) {
-  const uint32_t bits = static_cast<uint32_t>(*p) << 16;
-  float x;
-  std::memcpy(&x, &bits, sizeof x);
-  return x;
-}
-
 struct F32Rows {
   const float* m;
   int64_t ld;
@@ -153,7 +146,9 @@ struct BF16Rows {
   vec operator()(int64_t i, int64_t j) const {
     return as_floats(__builtin_convertvector(*reinterpret_cast<const hvec*>(m + i * ld + j), uvec) << 16);
   }
-  float at(int64_t i, int64_t j) const { return bf16_at(m + i * ld + j); }
+  float at(int64_t i, int64_t j) const {
+    return static_cast<float>(c10::BFloat16(m[i * ld + j], c10::BFloat16::from_bits()));
+  }
 };
 
 struct AMXRows {

@@ -28,6 +28,10 @@
 #include <limits>
 #include <vector>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 namespace {
 
 constexpr int LANES = 16;     // columns of a score tile (a 512-bit register of fp32)
@@ -108,16 +112,26 @@ inline vec exp_nonpositive(vec x) {
   return low ? vec{} : result;
 }
 
+// a vector's sum and maximum: in a tree of shuffles where AVX-512 has them (a lane-by-lane chain is a row's longest
+// dependency in the softmax)
 inline float sum_of(vec v) {
+#ifdef __AVX512F__
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+#else
   float s = 0.0f;
   for (int l = 0; l < LANES; ++l) s += v[l];
   return s;
+#endif
 }
 
 inline float max_of(vec v) {
+#ifdef __AVX512F__
+  return _mm512_reduce_max_ps(reinterpret_cast<__m512>(v));
+#else
   float m = v[0];
   for (int l = 1; l < LANES; ++l) m = std::max(m, v[l]);
   return m;
+#endif
 }
 
 // The matrix M of a rank update, row i's LANES columns from column j as fp32 (`M(i, j)`; one element of values:

@@ -176,13 +176,13 @@ struct AMXRows {
 
 // Out[r][j:j+C*LANES] (+)= sum_{i0 <= i < i1} A[r][i] * M[i][j:...] for R rows given by pointers: C vectors of
 // columns at a time, the R x C accumulators in registers. Scores: A the queries, M the (transposed) keys; values: A the
-// probabilities, M the values.
-template <int R, int C, typename Rows>
-inline void rank_update_tile(float* const* Out, const float* const* A, const Rows& M, int64_t i0, int64_t i1, int64_t j,
-                             bool accumulate) {
+// probabilities, M the values. ACCUMULATE is a template argument: chosen at run time, the accumulators' start went
+// through the stack.
+template <int R, int C, bool ACCUMULATE, typename Rows>
+inline void rank_update_tile(float* const* Out, const float* const* A, const Rows& M, int64_t i0, int64_t i1, int64_t j) {
   vec acc[R][C];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = accumulate ? load(Out[r] + j + c * LANES) : vec{};
+    for (int c = 0; c < C; ++c) acc[r][c] = ACCUMULATE ? load(Out[r] + j + c * LANES) : vec{};
   for (int64_t i = i0; i < i1; ++i) {
     vec m[C];
     for (int c = 0; c < C; ++c) m[c] = M(i, j + c * LANES);
@@ -205,11 +205,19 @@ template <int R>
 struct Scores {
   template <typename Rows>
   static void run(float* const* S, const float* const* Q, const Rows& K, int width, int64_t cols, bool accumulate) {
+    if (accumulate)
+      columns<true>(S, Q, K, width, cols);
+    else
+      columns<false>(S, Q, K, width, cols);
+  }
+
+  template <bool ACCUMULATE, typename Rows>
+  static void columns(float* const* S, const float* const* Q, const Rows& K, int width, int64_t cols) {
     constexpr int C = columns_for<R>();
     int64_t j = 0;
-    for (; j + C * LANES <= cols; j += C * LANES) rank_update_tile<R, C>(S, Q, K, 0, width, j, accumulate);
-    for (; j + 2 * LANES <= cols; j += 2 * LANES) rank_update_tile<R, 2>(S, Q, K, 0, width, j, accumulate);
-    if (j < cols) rank_update_tile<R, 1>(S, Q, K, 0, width, j, accumulate);
+    for (; j + C * LANES <= cols; j += C * LANES) rank_update_tile<R, C, ACCUMULATE>(S, Q, K, 0, width, j);
+    for (; j + 2 * LANES <= cols; j += 2 * LANES) rank_update_tile<R, 2, ACCUMULATE>(S, Q, K, 0, width, j);
+    if (j < cols) rank_update_tile<R, 1, ACCUMULATE>(S, Q, K, 0, width, j);
   }
 };
 
@@ -219,10 +227,10 @@ struct Values {
   static void run(float* const* O, const float* const* P, const Rows& V, int64_t p0, int64_t p1, int d) {
     constexpr int C = columns_for<R>();
     int64_t j = 0;
-    for (; j + C * LANES <= d; j += C * LANES) rank_update_tile<R, C>(O, P, V, p0, p1, j, true);
-    for (; j + 2 * LANES <= d; j += 2 * LANES) rank_update_tile<R, 2>(O, P, V, p0, p1, j, true);
+    for (; j + C * LANES <= d; j += C * LANES) rank_update_tile<R, C, true>(O, P, V, p0, p1, j);
+    for (; j + 2 * LANES <= d; j += 2 * LANES) rank_update_tile<R, 2, true>(O, P, V, p0, p1, j);
     if (j + LANES <= d) {
-      rank_update_tile<R, 1>(O, P, V, p0, p1, j, true);
+      rank_update_tile<R, 1, true>(O, P, V, p0, p1, j);
       j += LANES;
     }
     for (; j < d; ++j)  // a head size not a multiple of LANES (tiny test models)

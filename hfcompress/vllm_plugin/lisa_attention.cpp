@@ -449,30 +449,39 @@ void attend_item(const Context& c, int64_t req, int64_t row0, int64_t rows, int6
   s.keys.resize(max_width * ld);
   s.values.resize(bs * d);
   // the rows each part head's keys meet (all its readers' rows: a key tile is read once for them all): the below
-  // parts' into the slots' scores, the own part's into the query heads', and the rows each KV head's values meet
+  // parts' into the slots' scores; the own part's into the query heads', per KV head (its query heads' scores, softmax
+  // and values follow each other while their rows are in cache); and the rows each KV head's values meet
   s.s_rows.clear();
   s.q_rows.clear();
   s.part_rows.clear();
-  for (size_t pi = 0; pi < P; ++pi) {
+  for (size_t pi = 0; pi + 1 < P; ++pi) {
     const Part& part = c.parts[pi];
-    const bool own = pi + 1 == P;
     for (const std::vector<int>& readers : part.readers) {
       s.part_rows.push_back(s.s_rows.size());
-      for (int x : readers) {
-        const int64_t slot = own ? x : s.slot_of[x];
-        if (own ? (x < h0 || x >= h1) : slot < 0) continue;
+      for (int u : readers) {
+        const int64_t slot = s.slot_of[u];
+        if (slot < 0) continue;
         for (int64_t r = 0; r < rows; ++r) {
-          if (own) {
-            s.s_rows.push_back(s.s.data() + (slot * rows + r) * ld);
-            s.q_rows.push_back(s.qo.data() + (slot * rows + r) * Wo);
-          } else {
-            s.s_rows.push_back(s.b.data() + (slot * rows + r) * ld);
-            s.q_rows.push_back(s.qb.data() + (slot * rows + r) * Wb + part.q_offset);
-          }
+          s.s_rows.push_back(s.b.data() + (slot * rows + r) * ld);
+          s.q_rows.push_back(s.qb.data() + (slot * rows + r) * Wb + part.q_offset);
         }
       }
     }
   }
+  const Part& own = c.parts.back();
+  const size_t own_first = s.part_rows.size();  // (KV head kv, own part head ph)'s rows: entry own_first + (kv - kv0) * PH + ph
+  const size_t PH = own.readers.size();
+  for (int64_t kv = kv0; kv < kv1; ++kv)
+    for (const std::vector<int>& readers : own.readers) {
+      s.part_rows.push_back(s.s_rows.size());
+      for (int h : readers) {
+        if (h / c.group != kv) continue;
+        for (int64_t r = 0; r < rows; ++r) {
+          s.s_rows.push_back(s.s.data() + (h * rows + r) * ld);
+          s.q_rows.push_back(s.qo.data() + (h * rows + r) * Wo);
+        }
+      }
+    }
   s.part_rows.push_back(s.s_rows.size());
   s.o_rows.clear();
   s.p_rows.clear();
@@ -487,61 +496,67 @@ void attend_item(const Context& c, int64_t req, int64_t row0, int64_t rows, int6
     const int64_t n = std::min(bs, hi + 1 - k0);  // positions of this block any row may see
     const int64_t jlo = std::max<int64_t>(lo - k0, 0);
     const int64_t cols = round_up(n, LANES);
-    size_t slot = 0;
-    for (size_t pi = 0; pi < c.parts.size(); ++pi) {
+    // part pi's scores: its head ph against the rows of part_rows' entry e0 + ph (accumulating: added to theirs)
+    const auto score = [&](size_t pi, size_t e0, bool accumulate) {
       const Part& part = c.parts[pi];
       const int64_t blk = part.table[req * part.table_stride + k0 / part.block], off = k0 % part.block;
-      for (size_t ph = 0; ph < part.readers.size(); ++ph, ++slot) {
-        const size_t begin = s.part_rows[slot], end = s.part_rows[slot + 1];
+      for (size_t ph = 0; ph < part.readers.size(); ++ph) {
+        const size_t begin = s.part_rows[e0 + ph], end = s.part_rows[e0 + ph + 1];
         if (begin == end) continue;
-        // below parts: the first writes the slots' scores, the next add to them; the own part writes the heads'
         with_keys(c, part, blk, off, static_cast<int>(ph), n, s.keys.data(), [&](const auto& keys) {
           over_rows<Scores>(end - begin, s.s_rows.data() + begin, s.q_rows.data() + begin, keys, part.width, cols,
-                            pi > 0 && pi + 1 < P);
+                            accumulate);
         });
       }
+    };
+    // the below parts, for all the slots: the first writes their scores, the next add to them
+    size_t entry = 0;
+    for (size_t pi = 0; pi + 1 < P; ++pi) {
+      score(pi, entry, pi > 0);
+      entry += c.parts[pi].readers.size();
     }
-    // S = scale * S_below[source] + own term, then the masked online softmax: S becomes the block's probabilities (0
-    // where hidden) relative to the running maximum
-    for (int64_t h = h0; h < h1; ++h)
-      for (int64_t r = 0; r < rows; ++r) {
-        float* row = s.s.data() + (h * rows + r) * ld;
-        const float* below = s.b.data() + (s.slot_of[c.source[h]] * rows + r) * ld;
-        const float scale = c.align_scale[h];
-        for (int64_t j = 0; j < cols; j += LANES) store(row + j, load(row + j) + scale * load(below + j));
-        const int64_t pos = pos0 + r;
-        const int64_t a = c.window > 0 ? std::max<int64_t>(jlo, pos - c.window + 1 - k0) : jlo;
-        const int64_t z = std::min<int64_t>(n - 1, pos - k0);
-        if (a > z) {
-          std::fill(row, row + cols, 0.0f);
-          continue;
-        }
-        std::fill(row, row + a, NEG_INF);
-        std::fill(row + z + 1, row + cols, NEG_INF);
-        vec top = vec{} + NEG_INF;
-        for (int64_t j = 0; j < cols; j += LANES) {
-          const vec v = load(row + j);
-          top = v > top ? v : top;
-        }
-        const int64_t k = h * rows + r;
-        const float m = std::max(s.m[k], max_of(top));
-        vec sum{};
-        for (int64_t j = 0; j < cols; j += LANES) {
-          const vec p = exp_nonpositive(load(row + j) - m);
-          store(row + j, p);
-          sum += p;
-        }
-        const float alpha = std::exp(s.m[k] - m);  // 0 at the first visible block (m was -inf)
-        if (alpha != 1.0f) {
-          float* out = s.o.data() + k * d;
-          for (int64_t x = 0; x < d; ++x) out[x] *= alpha;
-        }
-        s.l[k] = s.l[k] * alpha + sum_of(sum);
-        s.m[k] = m;
-      }
     const int64_t vblk = c.v_table[req * c.v_table_stride + k0 / c.v_block], voff = k0 % c.v_block;
     const size_t per_kv = c.group * rows;
     for (int64_t kv = kv0; kv < kv1; ++kv) {
+      score(P - 1, own_first + (kv - kv0) * PH, false);
+      // S = scale * S_below[source] + own term, then the masked online softmax: S becomes the block's probabilities
+      // (0 where hidden) relative to the running maximum
+      for (int64_t h = kv * c.group; h < (kv + 1) * c.group; ++h)
+        for (int64_t r = 0; r < rows; ++r) {
+          float* row = s.s.data() + (h * rows + r) * ld;
+          const float* below = s.b.data() + (s.slot_of[c.source[h]] * rows + r) * ld;
+          const float scale = c.align_scale[h];
+          for (int64_t j = 0; j < cols; j += LANES) store(row + j, load(row + j) + scale * load(below + j));
+          const int64_t pos = pos0 + r;
+          const int64_t a = c.window > 0 ? std::max<int64_t>(jlo, pos - c.window + 1 - k0) : jlo;
+          const int64_t z = std::min<int64_t>(n - 1, pos - k0);
+          if (a > z) {
+            std::fill(row, row + cols, 0.0f);
+            continue;
+          }
+          std::fill(row, row + a, NEG_INF);
+          std::fill(row + z + 1, row + cols, NEG_INF);
+          vec top = vec{} + NEG_INF;
+          for (int64_t j = 0; j < cols; j += LANES) {
+            const vec v = load(row + j);
+            top = v > top ? v : top;
+          }
+          const int64_t k = h * rows + r;
+          const float m = std::max(s.m[k], max_of(top));
+          vec sum{};
+          for (int64_t j = 0; j < cols; j += LANES) {
+            const vec p = exp_nonpositive(load(row + j) - m);
+            store(row + j, p);
+            sum += p;
+          }
+          const float alpha = std::exp(s.m[k] - m);  // 0 at the first visible block (m was -inf)
+          if (alpha != 1.0f) {
+            float* out = s.o.data() + k * d;
+            for (int64_t x = 0; x < d; ++x) out[x] *= alpha;
+          }
+          s.l[k] = s.l[k] * alpha + sum_of(sum);
+          s.m[k] = m;
+        }
       const size_t at = (kv - kv0) * per_kv;
       with_values(c, vblk, voff, kv, jlo, n, s.values.data(), [&](const auto& values) {
         over_rows<Values>(per_kv, s.o_rows.data() + at, s.p_rows.data() + at, values, jlo, n, static_cast<int>(d));

@@ -89,6 +89,7 @@ typedef float vec_unaligned __attribute__((vector_size(LANES * sizeof(float)), a
 typedef int32_t ivec __attribute__((vector_size(LANES * sizeof(int32_t))));
 
 inline vec load(const float* p) { return *reinterpret_cast<const vec_unaligned*>(p); }
+const ivec LANE_INDEX = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 inline void store(float* p, vec v) { *reinterpret_cast<vec_unaligned*>(p) = v; }
 
 // exp(x) for x <= 0 (a score minus its running maximum; -inf where hidden): 2^n * p(r), relative error ~1e-7; 0 below
@@ -526,19 +527,22 @@ void attend_item(const Context& c, int64_t req, int64_t row0, int64_t rows, int6
           float* row = s.s.data() + (h * rows + r) * ld;
           const float* below = s.b.data() + (s.slot_of[c.source[h]] * rows + r) * ld;
           const float scale = c.align_scale[h];
-          for (int64_t j = 0; j < cols; j += LANES) store(row + j, load(row + j) + scale * load(below + j));
           const int64_t pos = pos0 + r;
-          const int64_t a = c.window > 0 ? std::max<int64_t>(jlo, pos - c.window + 1 - k0) : jlo;
+          const int64_t a = c.window > 0 ? std::max<int64_t>(jlo, pos - c.window + 1 - k0) : jlo;  // visible: [a, z]
           const int64_t z = std::min<int64_t>(n - 1, pos - k0);
           if (a > z) {
             std::fill(row, row + cols, 0.0f);
             continue;
           }
-          std::fill(row, row + a, NEG_INF);
-          std::fill(row + z + 1, row + cols, NEG_INF);
+          // combined, masked (-inf; the cache past a sequence may hold anything) and the maximum, in one pass
           vec top = vec{} + NEG_INF;
           for (int64_t j = 0; j < cols; j += LANES) {
-            const vec v = load(row + j);
+            vec v = load(row + j) + scale * load(below + j);
+            if (j < a || j + LANES - 1 > z) {
+              const ivec at = LANE_INDEX + static_cast<int32_t>(j);
+              v = (at < static_cast<int32_t>(a)) | (at > static_cast<int32_t>(z)) ? vec{} + NEG_INF : v;
+            }
+            store(row + j, v);
             top = v > top ? v : top;
           }
           const int64_t k = h * rows + r;

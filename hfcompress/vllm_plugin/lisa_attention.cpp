@@ -8,8 +8,9 @@
 // source (SmolLM2: 2 to 6 sources for 9 heads), so S_below is computed once per source, not per head: fewer
 // multiply-adds than a full layer's attention.
 //
-// Per (request, tile of query rows, query heads) it walks the request's block table: per block, those scores, masked
-// causally (and by the window), then an online (flash-style) softmax and the values of this layer's own cache.
+// Per (request, tile of query rows, query heads) it walks the request's block table: per block, the sources' scores
+// below, then per KV head its query heads' scores, masked causally (and by the window), an online (flash-style)
+// softmax and the values of this layer's own cache (one KV group's score rows stay in cache through the three).
 // Everything is computed in fp32; caches may be fp32, bf16, fp16 or fp8 bytes (e4m3 / e5m2, times the layer's scale).
 
 #include <ATen/Parallel.h>

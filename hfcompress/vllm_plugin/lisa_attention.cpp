@@ -90,8 +90,8 @@ typedef float vec_unaligned __attribute__((vector_size(LANES * sizeof(float)), a
 typedef int32_t ivec __attribute__((vector_size(LANES * sizeof(int32_t))));
 
 inline vec load(const float* p) { return *reinterpret_cast<const vec_unaligned*>(p); }
-const ivec LANE_INDEX = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 inline void store(float* p, vec v) { *reinterpret_cast<vec_unaligned*>(p) = v; }
+const ivec LANE_INDEX = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};  // a lane's column in its vector
 
 // exp(x) for x <= 0 (a score minus its running maximum; -inf where hidden): 2^n * p(r), relative error ~1e-7; 0 below
 // -87 (where fp32 underflows anyway)
@@ -181,7 +181,8 @@ struct AMXRows {
 // probabilities, M the values. ACCUMULATE is a template argument: chosen at run time, the accumulators' start went
 // through the stack.
 template <int R, int C, bool ACCUMULATE, typename Rows>
-inline void rank_update_tile(float* const* Out, const float* const* A, const Rows& M, int64_t i0, int64_t i1, int64_t j) {
+inline void rank_update_tile(float* const* Out, const float* const* A, const Rows& M, int64_t i0, int64_t i1,
+                             int64_t j) {
   vec acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = ACCUMULATE ? load(Out[r] + j + c * LANES) : vec{};
@@ -470,9 +471,9 @@ void attend_item(const Context& c, int64_t req, int64_t row0, int64_t rows, int6
       }
     }
   }
+  // (KV head kv, own part head ph)'s rows: part_rows' entry own_first + (kv - kv0) * PH + ph
   const Part& own = c.parts.back();
-  const size_t own_first = s.part_rows.size();  // (KV head kv, own part head ph)'s rows: entry own_first + (kv - kv0) * PH + ph
-  const size_t PH = own.readers.size();
+  const size_t own_first = s.part_rows.size(), PH = own.readers.size();
   for (int64_t kv = kv0; kv < kv1; ++kv)
     for (const std::vector<int>& readers : own.readers) {
       s.part_rows.push_back(s.s_rows.size());

@@ -38,7 +38,7 @@ namespace {
 constexpr int LANES = 16;     // columns of a score tile (a 512-bit register of fp32)
 constexpr int ROW_TILE = 32;  // a prefill's query rows per work item
 // rows of a micro-kernel call (its accumulators stay in registers): scores 8 (x 2 vectors of keys), values 6 (x 4
-// vectors: a 64-wide head in one sweep of the probabilities; 8 x 2 took 3-4% longer at prefill)
+// vectors: a 64-wide head in one sweep of the probabilities; 8 x 2 took 3-7% longer at prefill)
 constexpr int SCORE_ROWS = 8;
 constexpr int VALUE_ROWS = 6;
 

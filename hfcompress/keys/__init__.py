@@ -1,0 +1,16 @@
+"""Low-rank keys: every attention layer's keys through a rank-limited map chosen by a loss-aware criterion (issue 41).
+
+    statistics.py  the key statistics of a whole model on calibration tokens: C = E[k k^T], G = E[g g^T], queries' energy
+    subspace.py    the arithmetic: the two layouts (pre-RoPE, RoPE-commuting), the four criteria, the per-layer budget
+
+Today the peers step uses it (the training-free PCA of the keys at the conversion's saving) and
+benchmarks/key_compression.py measures the layouts and criteria; the layer action of the remote code is next.
+"""
+
+from .statistics import KeyStatistics, key_module, key_statistics, projected_keys
+from .subspace import CRITERIA, LAYOUTS, KeySubspace, plan_sizes, rope_planes
+
+__all__ = [
+    "CRITERIA", "LAYOUTS", "KeyStatistics", "KeySubspace", "key_module", "key_statistics", "plan_sizes",
+    "projected_keys", "rope_planes",
+]  # fmt: skip

@@ -67,5 +67,6 @@ def analyze(options: ConvertOptions, plot: Path, json_path: Path | None) -> dict
         "cache": str(run.calib_dir),
     }
     if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(result, indent=2))
     return result

@@ -58,6 +58,8 @@ PACKAGED_BUILDERS = {
     "pandas", "parquet", "pdffolder", "spark", "sql", "text", "videofolder", "webdataset", "xml",
 }
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+# llama.cpp's quantisation type at the end of a GGUF file name: SmolLM2-135M-Instruct.Q4_1.gguf, x-Q4_K_M.gguf, x.f16.gguf
+GGUF_QUANT = re.compile(r"[.\-_]((?:IQ|Q|TQ)\d[A-Z0-9_]*|BF16|F16|F32)\.gguf$", re.IGNORECASE)
 
 
 # ------------------------------------------------------------------------------------------------------- licence
@@ -249,6 +251,22 @@ def lm_eval_view(lm_eval: dict | None) -> dict | None:
 
 
 # ------------------------------------------------------------------------------------------------------- card
+def original_loaded(source: dict) -> dict | None:
+    """What the conversion's "original" was as loaded, when it is not the weights `base_model` names: a dequantised
+    GGUF, named by its file and its quantisation type (from the file name). {description, short}, or None."""
+    name = source.get("gguf_file")
+    if not name:
+        return None
+    match = GGUF_QUANT.search(name)
+    quant = match[1].upper() if match else None
+    unknown = "" if quant else " (its quantisation type is not in its file name)"
+    of = f" of `{source['base_model']}`" if source.get("base_model") else ""
+    return {
+        "description": f"the {quant + ' ' if quant else ''}GGUF file `{name}`{unknown}{of}, dequantised to float32 by hfcompress",
+        "short": f"dequantised {quant + ' ' if quant else ''}GGUF",
+    }
+
+
 def peers_view(report: dict) -> dict | None:
     """The trade-off table: the original, this conversion and the training-free peers (peers.py), each with its KV
     cache a token relative to the original and its perplexity on every gated text; None when they were not computed, or
@@ -260,19 +278,22 @@ def peers_view(report: dict) -> dict | None:
     values = peers["kv_values_per_token"]
     speed = report.get("speed") or {}
     timed = speed.get("peers") or {}  # decode speed of the peers the speed run timed (peers.speed_peers)
+    untrusted = "; ".join(speed["noise"]["reasons"]) if timed and speed.get("trusted") is False else None
+    shown = {} if untrusted else timed  # noise is no result: the decode column shows none, and the card says why
     rows = [
         {"name": "original", "kv_ratio": 1.0, "perplexity": [t["original"]["perplexity"] for t in texts],
-         "decode": 1.0 if timed else None},
+         "decode": 1.0 if shown else None},
         {"name": "**this conversion**", "kv_ratio": values["converted"] / values["original"],
-         "perplexity": [t["converted"]["perplexity"] for t in texts], "decode": speed.get("decode_speedup") if timed else None},
+         "perplexity": [t["converted"]["perplexity"] for t in texts], "decode": speed.get("decode_speedup") if shown else None},
     ]  # fmt: skip
     for peer in peers["peers"]:
         layers = f" (layers {', '.join(map(str, peer['layers']))})" if peer["layers"] else ""
-        decode = timed[peer["name"]]["decode_speedup"] if peer["name"] in timed else None
+        decode = shown[peer["name"]]["decode_speedup"] if peer["name"] in shown else None
         rows.append({"name": peer["name"] + layers, "kv_ratio": peer["kv_ratio"], "perplexity": perplexities_on(peer, texts), "decode": decode})
     return {
         "texts": [t["eval_text"].split(" (")[0] for t in texts],
         "timed": bool(timed),
+        "untrusted_speed": untrusted,
         "rows": rows,
         "dominated_by": peers.get("dominated_by") or [],
         "skipped": peers.get("skipped"),
@@ -319,6 +340,7 @@ def render_card(report: dict, repo_id: str) -> ModelCard:
         repo_id=repo_id,
         base_model_name=source["name"],
         base_model=base_model,
+        original_loaded=original_loaded(source),
         architecture=family.causal_lm_class,
         modeling_file=f"{family.modeling_module}.py",
         gate_failed=not validation["gate_passed"],

@@ -11,6 +11,7 @@
 
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import torch
 
 from .atomic import atomic_file, private_sibling
 from .calibrate import cache_key
-from .errors import HfcompressError
+from .errors import HfcompressError, full_disk_errno
 from .families import FAMILIES, family_of
 from .progress import console, progress_bar
 from .source import (
@@ -102,7 +103,6 @@ def dequantise_gguf(path: Path, directory: Path) -> None:
     written as soon as the GGUF moves on to the next layer. The directory appears complete or not at all."""
     import numpy as np
     from gguf import GGUFReader, dequantize
-    from safetensors.torch import save_file
     from transformers import AutoConfig
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
@@ -130,24 +130,29 @@ def dequantise_gguf(path: Path, directory: Path) -> None:
     def flush() -> None:
         nonlocal written
         if group:
-            save_file(group, tmp / f"part-{written:05d}.safetensors", metadata={"format": "pt"})
+            part = f"part-{written:05d}.safetensors"
+            _save_file(group, tmp / part, directory / part)
             written += 1
             group.clear()
 
-    for tensor in progress_bar(reader.tensors, "fetch: dequantise the GGUF"):
-        result = processor.process(
-            weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name, tensor_key_mapping=mapping, parsed_parameters=parsed
-        )
-        if result.name not in mapping:
-            continue
-        name = mapping[result.name]
-        key = ".".join(name.split(".")[:3]) if name.startswith("model.layers.") else "rest"
-        if key != group_key:
-            flush()
-            group_key = key
-        group[name] = torch.from_numpy(np.array(result.weights, dtype=np.float32))  # a writable copy
-    flush()
-    config.save_pretrained(tmp)
+    try:
+        for tensor in progress_bar(reader.tensors, "fetch: dequantise the GGUF"):
+            result = processor.process(
+                weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name, tensor_key_mapping=mapping, parsed_parameters=parsed
+            )
+            if result.name not in mapping:
+                continue
+            name = mapping[result.name]
+            key = ".".join(name.split(".")[:3]) if name.startswith("model.layers.") else "rest"
+            if key != group_key:
+                flush()
+                group_key = key
+            group[name] = torch.from_numpy(np.array(result.weights, dtype=np.float32))  # a writable copy
+        flush()
+        config.save_pretrained(tmp)
+    except BaseException:  # a full disk, an interruption: no half-dequantised copy stays in the cache
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if (directory / "config.json").is_file():  # another process finished first: its copy is as good as ours
         shutil.rmtree(tmp)
         return
@@ -191,10 +196,22 @@ def check_checkpoint(checkpoint: Checkpoint, config) -> None:
 
 def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     """safetensors file written under a temporary name and renamed: a file that exists is complete."""
+    with atomic_file(path) as tmp:
+        _save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp, path)
+
+
+def _save_file(tensors: dict[str, torch.Tensor], tmp: Path, path: Path) -> None:
+    """safetensors' save_file into `tmp`; a write refused for room (its Rust writer's "File too large", "No space
+    left") becomes the OSError Python's own writes raise, naming `path`, so it is one sentence and exit code 5."""
     from safetensors.torch import save_file
 
-    with atomic_file(path) as tmp:
-        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp, metadata={"format": "pt"})
+    try:
+        save_file(tensors, tmp, metadata={"format": "pt"})
+    except Exception as err:
+        number = full_disk_errno(err)
+        if number is None or isinstance(err, OSError):
+            raise
+        raise OSError(number, os.strerror(number), str(path)) from err
 
 
 def load_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -227,10 +244,15 @@ def write_shard(sources: list[Path], dest: Path) -> dict[str, int]:
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    with atomic_file(dest) as tmp, open(tmp, "wb") as out:
-        out.write(len(raw).to_bytes(8, "little") + raw)
-        for _, name, handle, _, _ in entries:
-            out.write(handle.get_tensor(name).contiguous().view(-1).view(torch.uint8).numpy())  # no bytes copy
+    try:
+        with atomic_file(dest) as tmp, open(tmp, "wb") as out:
+            out.write(len(raw).to_bytes(8, "little") + raw)
+            for _, name, handle, _, _ in entries:
+                out.write(handle.get_tensor(name).contiguous().view(-1).view(torch.uint8).numpy())  # no bytes copy
+    except OSError as err:
+        if err.filename is not None:
+            raise
+        raise OSError(err.errno, err.strerror, str(dest)) from err  # write() names no file; the message names the shard
     return {name: math.prod(shape) for _, name, _, _, shape in entries}
 
 

@@ -9,7 +9,9 @@ import typer
 
 from .config import TEXT_HELP, ConvertOptions, DeviceOptions, OutputOptions, QuantizeOptions, TextOptions
 from .distill import DistillOptions
-from .errors import WRITE_FAILED_EXIT, HfcompressError, redact
+from .errors import (
+    INTERRUPTED_EXIT, WRITE_FAILED_EXIT, HfcompressError, Terminated, left_by, redact, termination_as_interrupt,
+)
 from .fasc import FascOptions
 from .families import FAMILIES
 from .lisa import DEFAULT_SHARE_RATIO, LisaOptions
@@ -28,8 +30,6 @@ app = typer.Typer(
     rich_markup_mode=None,  # click's plain help: option names in full and their help beside them, at any width
 )
 
-INTERRUPTED_EXIT = 130
-
 
 def option(group: type, name: str, **overrides):
     """The typer.Option of field `name` of option group `group` (LisaOptions, TextOptions, ...): its default, flags and
@@ -41,18 +41,20 @@ def option(group: type, name: str, **overrides):
 
 
 def _run(action) -> None:
-    """Turn HfcompressError into one red sentence and its exit code; Ctrl-C into exit 130. An unexpected OSError (disk
-    full, permissions, a vanished file) or an allocation failure becomes one sentence too; HFCOMPRESS_TRACEBACK=1
-    keeps the traceback."""
+    """Turn HfcompressError into one red sentence and its exit code; Ctrl-C into exit 130, SIGTERM and SIGHUP likewise
+    (exit 143, 129). An unexpected OSError (disk full, permissions, a vanished file) or an allocation failure becomes
+    one sentence too; HFCOMPRESS_TRACEBACK=1 keeps the traceback."""
     from .progress import console
 
     try:
-        action()
+        with termination_as_interrupt():
+            action()
     except HfcompressError as err:
         _fail(console, str(err), err.exit_code)
-    except KeyboardInterrupt:
-        console.print("[bold red]interrupted:[/] nothing was written; rerun the same command to resume from the cache.")
-        raise typer.Exit(INTERRUPTED_EXIT) from None
+    except KeyboardInterrupt as err:
+        by = f" by {err}" if isinstance(err, Terminated) else ""
+        console.print(f"[bold red]interrupted{by}:[/] {left_by(err)}.", highlight=False, soft_wrap=True)
+        raise typer.Exit(err.exit_code if isinstance(err, Terminated) else INTERRUPTED_EXIT) from None
     except (OSError, MemoryError, RuntimeError) as err:
         if os.environ.get("HFCOMPRESS_TRACEBACK") or not (
             isinstance(err, (OSError, MemoryError)) or _out_of_memory(err) or _torch_write_failed(err)
@@ -253,8 +255,10 @@ def convert(
             from .progress import console
 
             console.log("--layer-by-layer has no effect any more: every conversion streams one layer at a time.")
+        from .atomic import remove_leftovers
         from .pipeline import convert as run_convert
 
+        remove_leftovers(options.out)  # what killed runs left beside --out: before the disk check counts it as used
         run_convert(options, argv=sys.argv[1:])
 
     _run(action)
@@ -284,6 +288,11 @@ def analyze(
     from .analyze import analyze as run_analyze
 
     def action() -> None:
+        from .preflight import check_output_file
+
+        for path, flag in ((plot, "--plot"), (json_out, "--json")):  # written at the end: checked before the work
+            if path is not None:
+                check_output_file(path, flag)
         options = ConvertOptions(
             source=source, out=Path("."), revision=revision, trust_remote_code=trust_remote_code, calib_text=calib_text,
             calib_sequences=calib_sequences, seq_len=seq_len, device=device,
@@ -322,21 +331,26 @@ def evaluate(
 ) -> None:
     """Perplexity, factual recall, speed and lm-eval tasks of a converted model (and its baseline, same tokens, same run)."""
     import json
-    import shlex
 
     from .evaluate import evaluate as run_evaluate
     from .harness import LmEvalOptions
+    from .report import public_command
 
     def action() -> None:
+        from .preflight import check_output_file
+
+        if json_out is not None:  # written after the evaluation: checked before it
+            check_output_file(json_out, "--json")
         harness = None
         if lm_eval is not None:  # lm-eval installed, tasks known: checked before any model loads
             harness = LmEvalOptions.parse(lm_eval, lm_eval_include, lm_eval_batch_size, lm_eval_fewshot, lm_eval_limit)
-        command = shlex.join(["hfcompress", *sys.argv[1:]])
+        command = public_command(sys.argv[1:])  # for the card: no local directory in it
         result = run_evaluate(
             model, baseline, eval_text, ood_text, context, stride, eval_tokens, speed, probe, trust_remote_code, harness, command,
             engine=engine, kv_cache_dtype=kv_cache_dtype,
         )
         if json_out:
+            json_out.parent.mkdir(parents=True, exist_ok=True)  # check_output_file found it can be made
             json_out.write_text(json.dumps(result, indent=2))
 
     _run(action)
@@ -350,10 +364,10 @@ def push(
     force: bool = typer.Option(False, "--force", help="Push even when the directory failed the quality gate."),
 ) -> None:
     """Push an already converted directory (for example after a failed push) in one commit."""
-    from .push import check_output_dir, push_folder, require_token
+    from .push import push_folder, require_token, verify_output
 
     def action() -> None:
-        check_output_dir(directory, force)
+        verify_output(directory, force)  # complete, gate passed (or --force), loads: before any network call
         url = push_folder(directory, repo_id, require_token(), private, "hfcompress: upload converted model", force)
         typer.echo(url)
 

@@ -198,8 +198,11 @@ class ConvertOptions(TextOptions, OutputOptions, DeviceOptions):
         check_device(self.device)
         parse_size(self.max_shard_size)
         self.check_sizes()
-        if not math.isfinite(self.max_ppl_increase):  # negative is allowed: the conversion must then improve it
-            raise HfcompressError(f"--max-ppl-increase must be a finite percentage, got {self.max_ppl_increase}.")
+        if not (math.isfinite(self.max_ppl_increase) and self.max_ppl_increase >= 0):  # a negative gate fails every run
+            raise HfcompressError(
+                f"--max-ppl-increase must be a finite percentage >= 0 (the largest perplexity increase allowed), got "
+                f"{self.max_ppl_increase}."
+            )
         self.check_texts()
         self.check_destination()
         self.lisa.validate()

@@ -13,7 +13,7 @@ from .harness import LmEvalOptions, run_lm_eval
 from .probe import run_probe
 from .progress import console
 from .report import REPORT_FILE
-from .source import BUILTIN_SOURCE, ResolvedSource, _first_line, load_source, looks_like_repo_id, resolve_source
+from .source import BUILTIN_SOURCE, ResolvedSource, _first_line, read_json_object, load_source, looks_like_repo_id, resolve_source
 from .speed import compare_speed
 from .text import check_text_option, evaluation_ids, load_text, other_domain_ids, window_prefix
 from .validate import perplexity
@@ -47,9 +47,15 @@ def check_model_argument(model: str, trust_remote_code: bool) -> None:
                 f"{model} holds no model (no config.json): pass a directory written by `hfcompress convert`."
             )
         if not trust_remote_code:
+            config = read_json_object(path / "config.json")
+            if "auto_map" in config:
+                raise HfcompressError(
+                    f"{model} is not an hfcompress output (no {REPORT_FILE}): pass a directory written by `hfcompress "
+                    "convert`, or add --trust-remote-code to run the modeling code this one ships (config.json's auto_map)."
+                )
             raise HfcompressError(
-                f"{model} is not an hfcompress output (no {REPORT_FILE}): pass a directory written by `hfcompress "
-                "convert`, or add --trust-remote-code to run the modeling code this one ships."
+                f"{model} is not an hfcompress output (no {REPORT_FILE}) but a plain '{config.get('model_type')}' model "
+                f"that ships no code: evaluate it beside a converted model, `hfcompress eval CONVERTED --baseline {model}`."
             )
         return
     if path.exists():
@@ -99,7 +105,7 @@ def evaluate(
     if baseline:
         baseline_source = resolve_source(baseline)
     elif lm_eval is not None and saved_report is not None:  # lm-eval always compares with the original
-        baseline_source = original_of(saved_report["source"])
+        baseline_source = original_of(saved_report["source"], Path(model_name))
     elif lm_eval is not None:
         raise HfcompressError(f"{model_name} is not a local hfcompress output: pass --baseline SOURCE to compare lm-eval results with.")
     converted, tokenizer = load_converted(model_name, trust_remote_code)
@@ -136,8 +142,10 @@ def evaluate(
         prompt = ids[:512].unsqueeze(0).to(device)
         for model in models.values():
             model.to(device)
-        for name, measured in compare_speed(models, prompt).items():
-            result["models"][name]["speed"] = measured.to_dict()
+        measured, noise = compare_speed(models, prompt)
+        for name, figures in measured.items():
+            result["models"][name]["speed"] = figures.to_dict()
+        result["speed_noise"] = noise  # trusted or not, and why: untrusted figures are no result
         result["device"] = str(device)
     if lm_eval is not None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -166,20 +174,29 @@ def evaluate(
             f"{entry['speed']['decode_tokens_per_s']:.1f}" if "speed" in entry else "-",
         )
     console.print(table)
+    if speed and not result["speed_noise"]["trusted"]:
+        console.print(f"[yellow]The tok/s columns are not trusted: {'; '.join(result['speed_noise']['reasons'])}.[/]")
     if lm_eval is not None:
         console.print(lm_eval_table(result["lm_eval"]))
     return result
 
 
-def original_of(source: dict) -> ResolvedSource:
-    """The source a conversion recorded in its report, resolved again (a Hub source at the recorded commit)."""
+def original_of(source: dict, model_dir: Path) -> ResolvedSource:
+    """The source a conversion recorded in its report, resolved again (a Hub source at the recorded commit). A local
+    source is recorded by its directory name only (no local path leaves the machine), so it is looked for in the
+    current directory, then beside the converted model `model_dir` (convert's usual layout: `--out` next to it)."""
     if source["kind"] == "hub":
         return resolve_source(source["repo_id"], revision=source.get("commit_sha") or source.get("revision"))
     if source["name"] == BUILTIN_SOURCE:
         return resolve_source(BUILTIN_SOURCE)
-    path = Path(source["path"]) / source["gguf_file"] if source.get("gguf_file") else Path(source["path"])
-    if not path.exists():
-        raise HfcompressError(f"The original model {path} recorded in the report is gone: pass --baseline SOURCE.")
+    recorded = Path(source["path"]) / source["gguf_file"] if source.get("gguf_file") else Path(source["path"])
+    candidates = [recorded, model_dir.parent / recorded]  # an absolute path (an older report) is the same in both
+    path = next((candidate for candidate in candidates if candidate.exists()), None)
+    if path is None:
+        raise HfcompressError(
+            f"The original model {recorded} that the report records is neither in the current directory nor beside "
+            f"{model_dir}: pass it with --baseline PATH (or a Hub id) to compare with it."
+        )
     return resolve_source(str(path))
 
 

@@ -1,10 +1,15 @@
-"""The output: the converted model as a Hugging Face model directory, written atomically (build.write_output_dir).
+"""The output: the converted model as a Hugging Face model directory, written atomically (atomic.atomic_directory).
 
 Shards of at most `--max-shard-size`, the config, tokenizer, generation config and remote code, the weights quantized
 when asked, then the fresh-process reload check of what was written, plots, the source's licence, the card and
-`hfcompress_report.json`. Only the main process writes.
+`hfcompress_report.json`, which lists the files written. Only the main process writes.
+
+--overwrite replaces what an earlier run wrote (the files its report lists) and keeps everything else the directory
+holds (the user's notes, evaluation runs): it is copied into the new output before the swap.
 """
 
+import fnmatch
+import json
 import math
 import shutil
 import time
@@ -12,15 +17,18 @@ from pathlib import Path
 
 from transformers import GenerationConfig
 
-from .build import count_parameters, save_companion_files, write_output_dir
+from .atomic import atomic_directory
+from .build import count_parameters, save_companion_files
 from .card import carry_licence, write_card
 from .checkpoint import pack_shards, save_tensors
+from .errors import interruption_leaves
 from .memory import peak_memory
 from .passes import Converted
 from .plots import write_plots
 from .progress import console
+from .push import push_command
 from .quantize import quantize_written, reloaded_logits
-from .report import Report
+from .report import REPORT_FILE, Report
 from .run import Run
 from .validate import verify_written
 
@@ -40,8 +48,12 @@ def write_output(run: Run, report: Report, converted: Converted, out_dir: Path) 
     leave the calibration cache (which stays). Returns where it was written."""
     repo_id = run.options.push_to or out_dir.name  # the card's name for the model
     with run.step("write"):
-        out_dir = write_output_dir(out_dir, run.options.overwrite, lambda directory: write_model(run, report, converted, repo_id, directory))
-    shutil.rmtree(converted.work, ignore_errors=True)  # the layer files are in the output now; the calibration cache stays
+        out_dir = atomic_directory(out_dir, lambda directory: write_model(run, report, converted, repo_id, directory), user_entries)
+    written, options = f"the output in {out_dir} is complete", run.options
+    if options.push_to:  # the push comes next
+        written += f" but not pushed: run `{push_command(out_dir, options.push_to, options.private, options.force)}`"
+    with interruption_leaves(written):  # from here on an interruption leaves a complete output, not nothing
+        shutil.rmtree(converted.work, ignore_errors=True)  # the layers are in the output now; the calibration cache stays
     gate_rows = report.validation.texts
     if report.parameters["converted"]["total"] == report.parameters["original"]["total"]:  # not "+0.00%" as if it had
         console.log(f"wrote {out_dir}: nothing was converted (no layer was shared or factorised), so it computes what "
@@ -81,6 +93,55 @@ def write_model(run: Run, report: Report, converted: Converted, repo_id: str, di
     report.plots = write_plots(report.to_dict(), directory / "plots")
     report.wall_seconds = round(time.perf_counter() - run.steps.started, 1)
     report.memory = {**peak_memory(), "peak_rss_mb_after_step": run.steps.peaks}
-    report.licence = carry_licence(report.source, directory, options.licence_files)
+    report.licence = carry_licence(source.to_dict(), directory, options.licence_files)  # the source's local files
     write_card(report.to_dict(), repo_id, directory)
+    report.files = sorted({str(p.relative_to(directory)) for p in directory.rglob("*") if not p.is_dir()} | {REPORT_FILE})
     report.save(directory)
+
+
+# what hfcompress writes into an output, for an earlier output whose report does not list its files
+WRITTEN_BY_HFCOMPRESS = (
+    "config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json", "tokenizer*",
+    "special_tokens_map.json", "chat_template.jinja", "*.py", "README.md", "NOTICE", "LICENSE*", "LICENCE*",
+    "USE_POLICY*", "plots", REPORT_FILE,
+)
+
+
+def listed_files(output: Path) -> list[str] | None:
+    """The files (paths relative to `output`) that its report lists as written by hfcompress; None for a report from
+    before that list, or one that cannot be read."""
+    try:
+        written = json.loads((output / REPORT_FILE).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):  # unreadable: only the names hfcompress writes are its own
+        return None
+    return [str(name) for name in written] if isinstance(written, list) else None
+
+
+def written_by_hfcompress(name: str) -> bool:
+    """Whether a top-level entry of this name is one hfcompress writes (for an output whose report lists no files)."""
+    return any(fnmatch.fnmatch(name, pattern) for pattern in WRITTEN_BY_HFCOMPRESS)
+
+
+def user_entries(earlier: Path) -> list[str]:
+    """The entries of an earlier output that it did not write (the user's files and directories): what --overwrite
+    keeps. The earlier report's list of files says what was written; one without that list, the names hfcompress
+    writes. The new output's own names replace the earlier ones in any case."""
+    written = listed_files(earlier)
+    ours = {name.split("/")[0] for name in written or ()}
+    return sorted(
+        entry.name for entry in earlier.iterdir()
+        if entry.name not in ours and not (written is None and written_by_hfcompress(entry.name))
+    )
+
+
+def pushed_files(output: Path) -> tuple[list[str], list[str]]:
+    """(the files of `output` a push uploads, those it leaves out), paths relative to `output`: only what hfcompress
+    wrote (the report's list, or for a report without one the names hfcompress writes), never the user's notes or
+    evaluation runs that --overwrite keeps in the directory."""
+    written = listed_files(output)
+    ours = set(written or ())
+    pushed, left_out = [], []
+    for name in sorted(str(path.relative_to(output)) for path in output.rglob("*") if path.is_file()):
+        mine = name in ours if written is not None else written_by_hfcompress(name.split("/")[0])
+        (pushed if mine else left_out).append(name)
+    return pushed, left_out

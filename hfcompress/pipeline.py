@@ -39,12 +39,15 @@ from .methods import Finisher, Method
 from .output import save_rest, write_output
 from .passes import Converted, calibrate, convert_layers, plan
 from .preflight import check_distill_context, check_output, check_push_target, check_run_disk, output_lock
-from .progress import console
+from .progress import console, heartbeat
 from .push import push_folder, require_token
 from .registry import build_methods
 from .report import Report, build_report
 from .run import Run, Steps
+from .source import BUILTIN_SOURCE
+from .speed import speed_threads
 from .stream import Processes
+from .text import local_source_texts
 from .wholemodel import WholeModelResults, WholeModelSteps
 
 
@@ -59,6 +62,11 @@ def convert(options: ConvertOptions, argv: list[str] | None = None) -> Report:
 
 
 def _convert(options: ConvertOptions, argv: list[str] | None) -> Report:
+    with heartbeat("convert"):  # a line at least every PLAIN_INTERVAL seconds, also through steps that count nothing
+        return _convert_steps(options, argv)
+
+
+def _convert_steps(options: ConvertOptions, argv: list[str] | None) -> Report:
     steps = Steps()
     token, out_dir = check_targets(options)
     tried: list[dict] = []
@@ -94,15 +102,44 @@ def attempt(options: ConvertOptions, token: str | None, argv: list[str] | None, 
     torch.manual_seed(options.seed)
     methods, finishers = build_methods(options)
     active = [m for m in methods if m.active()]
-    with steps.step("fetch"):
+    with steps.step("fetch"), local_source_texts() if is_local_source(options.source) else nullcontext():
         run = Run.open(options, methods, token, argv, steps)
     whole = check_resources(run, active, finishers, out_dir)
     calibrate(run, active)
     plan(run, active)
+    log_plan(active)
     converted = convert_layers(run, active)
     save_rest(run, converted)
     converted, results = finish(run, whole, converted)
     return run, methods, whole, converted, results
+
+
+def is_local_source(source: str) -> bool:
+    """The built-in model or an existing path (source.resolve_source's order): nothing about it is on the Hub."""
+    return source == BUILTIN_SOURCE or Path(source).expanduser().exists()
+
+
+def log_plan(methods: list[Method]) -> None:
+    """One console line per method with what its plan chose (its config entries: the layers it shares or drops, the
+    ranks it keeps), before hours of converting them."""
+    for method in methods:
+        parts = [f"{key} {_plan_entry(value)}" for key, value in method.config_entries().items()]
+        console.log(f"plan: {method.name}: {'; '.join(parts) or 'no layer changed'}", highlight=False)
+
+
+def _plan_entry(value) -> str:
+    """A config entry in words: a list joined, {layer: spec} as the layers and their spec when all share it, {name:
+    rank} as name=rank pairs."""
+    if isinstance(value, list):
+        return ", ".join(map(str, value)) or "none"
+    if isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values()):
+        specs = [dict(v) for v in value.values()]
+        common = specs[0] if all(spec == specs[0] for spec in specs) else None
+        shown = f" ({', '.join(f'{k} {v}' for k, v in common.items())})" if common else ""
+        return ", ".join(value) + shown
+    if isinstance(value, dict):
+        return ", ".join(f"{name}={v}" for name, v in value.items()) or "none"
+    return str(value)
 
 
 def changes(methods: list[Method]) -> int:
@@ -138,6 +175,8 @@ def check_targets(options: ConvertOptions) -> tuple[str | None, Path]:
     """Before an hour of work, not after: the Hub token, --out (not an existing output unless --overwrite) and the
     push target (reachable, the token valid and allowed to write). Returns (token, output directory)."""
     token = require_token() if options.push_to and Processes().is_main else None
+    if options.speed is not False:
+        speed_threads()  # a bad HFCOMPRESS_SPEED_THREADS fails now, not at the speed step
     out_dir = refuse_existing_output(Path(options.out).expanduser().resolve(), options.overwrite)
     if token:
         check_push_target(options.push_to, token, out_dir)

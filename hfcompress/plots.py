@@ -78,16 +78,19 @@ def perplexity_bars(rows: list[dict], limit: float | None, path: Path) -> Path:
 
 
 def speed_bars(speed: dict, path: Path) -> Path:
-    """Prefill and decode tokens/s of original and converted, measured side by side (see speed.py)."""
-    fig, axes = plt.subplots(1, 2, figsize=(6.5, 3))
+    """Prefill and decode tokens/s of original and converted, measured side by side (see speed.py); figures the noise
+    check did not trust are titled so, with no ratio."""
+    untrusted = speed.get("trusted") is False
+    fig, axes = plt.subplots(1, 2, figsize=(6.5, 3.4 if untrusted else 3))
     for ax, phase, label in ((axes[0], "prefill", f"prefill ({speed['original']['prefill_tokens']} tokens)"), (axes[1], "decode", "decode")):
         values = [speed[name][f"{phase}_tokens_per_s"] for name in ("original", "converted")]
         ax.bar(["original", "converted"], values, color=["tab:gray", "tab:green"])
         for x, value in enumerate(values):
             ax.text(x, value, f"{value:.1f}", ha="center", va="bottom")
-        ax.set_title(f"{label}: {speed[phase + '_speedup']:.2f}x")
+        ax.set_title(f"{label}: not trusted" if untrusted else f"{label}: {speed[phase + '_speedup']:.2f}x")
         ax.set_ylabel("tokens/s (median)")
-    fig.suptitle(speed["hardware"], fontsize=7)
+    reasons = "\n".join(textwrap.wrap("NOT TRUSTED: " + "; ".join(speed["noise"]["reasons"]), 110)) + "\n" if untrusted else ""
+    fig.suptitle(reasons + speed["hardware"], fontsize=7, color="tab:red" if untrusted else "black")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -127,11 +130,11 @@ def tradeoff(report: dict, path: Path) -> Path:
     peers, texts = report["peers"], report["validation"]["texts"]
     values = peers["kv_values_per_token"]
     speed = report.get("speed") or {}
-    timed = speed.get("peers") or {}
+    timed = (speed.get("peers") or {}) if speed.get("trusted") is not False else {}  # untrusted speed is no axis
     axes_of = [("KV cache a token (original = 1, left is better)", "kv")]
     if timed:
         axes_of.append(("decode tokens/s, batch 1 (original = 1, right is better)", "decode"))
-    styles = {"attention-drop": ("o", "tab:orange"), "layer-drop": ("s", "tab:red"), "kv-quantized": ("^", "tab:purple")}
+    styles = {"attention-drop": ("o", "tab:orange"), "layer-drop": ("s", "tab:red"), "kv-quantized": ("^", "tab:purple"), "key-pca": ("P", "tab:brown")}
     fig, axes = plt.subplots(len(axes_of), len(texts), figsize=(4.6 * len(texts), 3.6 * len(axes_of)), squeeze=False)
     for row, (label, measure) in enumerate(axes_of):
         for i, (ax, text) in enumerate(zip(axes[row], texts)):

@@ -1,16 +1,28 @@
 """What can be known before the work is checked before it: `convert` refuses in one sentence, before any download,
 calibration or fit, what would otherwise fail (or destroy something) an hour later.
 
-- `check_output`: `--out` never overlaps the source model (equal, inside, containing; links resolved) nor the caches,
-  with or without --overwrite; --overwrite replaces only an earlier hfcompress output; the location can be written
-  (a probe directory is created and removed beside it).
-- `output_lock`: one live run per `--out` (an flock on a hidden lock file beside it, which the kernel releases when the
-  process ends however it ends, so a crashed run never blocks the next one).
-- `check_push_target`: HF_HUB_OFFLINE, the Hub answering, the token's user and its write role, for `--push-to`
-  (read-only requests: whoami).
-- `check_model`: sequence lengths within the model's context (from the source config, before any weight is read).
-- `check_disk`: free space for what the run will still write into the calibration cache and the output, estimated
-  from the model's shapes and the options; refused with the figures.
+The checks made before any model work, in the order they run (`CHECKED_OPTIONS` below says where each option of
+`convert` is checked; tests/test_upfront.py fails when an option of `convert` is missing from it):
+
+1. The options, with no network and no source (`ConvertOptions.validate`): every range, enum and combination, each
+   group's own (text, output, device, LISA, FASC, distillation, weight quantization) and the rules across groups; the
+   layers named outright against each other (`LisaOptions.check_explicit_layers`).
+2. The files the run writes (`check_output`, `check_cache`, `check_output_file`): `--out` never overlaps the source
+   model (equal, inside, containing; links resolved) nor the caches, with or without --overwrite; --overwrite replaces
+   only an earlier hfcompress output; the location can be written (a probe directory is created and removed beside
+   it); the calibration cache (HFCOMPRESS_CACHE) can be written.
+   `analyze --plot/--json` and `eval --json`: not a directory, the parent a directory that exists or can be made, and
+   writable. `output_lock`: one live run per `--out`.
+3. The push target (`check_push_target`): HF_HUB_OFFLINE, the Hub answering, the token's user and its write role, for
+   `--push-to` (read-only requests: whoami).
+4. The source's small files, as it is resolved (source.py): config.json, the tokenizer's JSON files and the weight
+   index read as JSON objects, config fields of the right type, the index's shards present.
+5. The source's config against the options (`check_source`, before its weights are read or a GGUF dequantised):
+   sequence lengths within the model's context (`check_model`, `check_distill_context`); the plan against the model's
+   layers (`ConvertOptions.check_against_model`: layer numbers in range, attention types, what a ratio can reach, the
+   low-rank rank); room in the cache for a GGUF's one-time dequantising.
+6. Disk (`check_run_disk`, before calibration): free space for what the run will still write into the calibration
+   cache and the output, estimated from the model's shapes and the options; refused with the figures.
 """
 
 import errno
@@ -25,6 +37,64 @@ from pathlib import Path
 from .errors import PUSH_FAILED_EXIT, USAGE_EXIT, WRITE_FAILED_EXIT, HfcompressError
 from .report import REPORT_FILE
 
+# Where each option of `convert` is checked, by the stage numbers of the list above ("flag": nothing to check). A new
+# option gets its check in its group's validate() or check_against_model() and its row here.
+CHECKED_OPTIONS = {
+    "source": "4: exists, a supported family, its small files readable; 5: against the options",
+    "--out": "2: check_output, output_lock",
+    "--push-to": "1: a Hub repo id; 3: check_push_target",
+    "--private": "1: only with --push-to",
+    "--revision": "4: resolved at the Hub",
+    "--overwrite": "2: replaces only an earlier hfcompress output",
+    "--force": "flag",
+    "--trust-remote-code": "4: needed by a source with an auto_map",
+    "--max-ppl-increase": "1: a finite percentage >= 0",
+    "--back-off": "1: only where --share-ratio sets a count, on one process",
+    "--share-ratio": "1: in [0, 1), alone; 5: the layers it can reach",
+    "--lisa-layers": "1: >= 1, not dropped, not below the layer a drop removes, not protected; 5: in range, attention types",
+    "--lisa-ppl-budget": "1: > 0, alone; 5: a layer to search",
+    "--protect-first": "1: >= 0, against --lisa-layers; 5: the layers a ratio can reach",
+    "--layer-plan": "1: share, drop or mixed; not with --lisa-layers",
+    "--drop-attention-layers": "1: >= 1, against --lisa-layers; 5: in range",
+    "--lisa-max-chain": "1: >= 1, not with --lisa-layers; 5: the layers a ratio can reach",
+    "--qk-compression": "1: > 1; 5: the low-rank rank it gives",
+    "--lisa-align": "1: dense, sparse or identity",
+    "--align-hidden": "1: >= 0",
+    "--lowrank": "5: the low-rank rank",
+    "--lisa-lowrank-keys": "1: group or head; 5: the low-rank rank",
+    "--lisa-group-heads": "1: only with --lisa-align sparse",
+    "--lisa-steps": "1: >= 0",
+    "--lisa-batch-size": "1: >= 1",
+    "--fasc-budget": "1: in (0, 1]",
+    "--fasc-method": "1: fisher, whiten, svd or pca",
+    "--fasc-targets": "1: linears FASC can factorise",
+    "--fasc-rho-keep": "1: >= 0",
+    "--distill-tokens": "1: 0..10**10, at least one step, something to train, one process; 6: the whole model fits",
+    "--distill-seq-len": "1: >= 16; 5: within the context",
+    "--distill-batch-size": "1: >= 1",
+    "--distill-lr": "1: > 0",
+    "--distill-weight-lr": "1: > 0",
+    "--distill-lora-rank": "1: >= 0, only with distillation",
+    "--distill-curve-tokens": "1: >= 2",
+    "--distill-data": "1: calibration, generated or mixed, only with distillation",
+    "--distill-gradient-checkpointing": "flag",
+    "--calib-text": "1: a text name or a readable file",
+    "--eval-text": "1: a text name or a readable file",
+    "--ood-text": "1: a text name, a readable file or none",
+    "--calib-sequences": "1: >= 1; 6: disk",
+    "--seq-len": "1: >= 16; 5: within the context; 6: disk",
+    "--eval-tokens": "1: >= 2",
+    "--seed": "any whole number: nothing to check",
+    "--probe": "6: the whole model fits when asked for",
+    "--speed": "6: the whole model fits when asked for",
+    "--peers": "6: the whole model fits when asked for",
+    "--dtype": "1: auto, float32, bfloat16 or float16",
+    "--device": "1: a device this machine has",
+    "--max-shard-size": "1: a size of at least 1KB",
+    "--quantize-weights": "1: a scheme with its backend installed",
+    "--licence-file": "1: files that exist and are not model files",
+    "--layer-by-layer": "flag (hidden, no effect)",
+}
 LOCK_SUFFIX = ".lock"  # .<out name>.lock beside --out
 DISK_MARGIN = 1.1  # estimates are of the tensors; files add headers, logs and the card
 OUTPUT_EXTRA = 4 * 10**6  # beside the weights: tokenizer, remote code, card, plots, report (a few MB)
@@ -95,6 +165,7 @@ def check_output(options) -> Path:
                 f"--out {given} already holds an hfcompress output: pass --overwrite to replace it, or choose another --out."
             )
     check_writable(out)
+    check_cache(Path(options.cache_dir))
     return out
 
 
@@ -211,6 +282,47 @@ def check_push_target(repo_id: str, token: str, out: Path) -> None:
         )
 
 
+def _probe_write(directory: Path) -> None:
+    """Create and remove a file in `directory`; raises OSError where nothing can be written."""
+    fd, probe = tempfile.mkstemp(prefix=".hfcompress-probe-", dir=directory)
+    os.close(fd)
+    os.unlink(probe)
+
+
+def check_cache(cache_dir: Path) -> None:
+    """The calibration cache can be written (the directory, or where its first missing parent will be made), without
+    creating it: a refusal leaves nothing behind."""
+    existing = _existing(cache_dir)
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(existing))
+        _probe_write(existing)
+    except OSError as err:
+        raise HfcompressError(
+            f"The hfcompress cache {cache_dir} cannot be written ({err.strerror or err} in {existing}): set "
+            "HFCOMPRESS_CACHE to a directory you can write; nothing was done.",
+            exit_code=WRITE_FAILED_EXIT,
+        ) from None
+
+
+def check_output_file(path: Path, option: str) -> None:
+    """Before any work: `path` (a file the command writes at its end, e.g. `--json`) is not a directory, its parent
+    is a directory that exists or can be made, and it can be written there."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise HfcompressError(f"{option} {path} is a directory: give the path of a file to write, e.g. {path / 'result.json'}.")
+    parent = _existing(path.parent)
+    if not parent.is_dir():
+        raise HfcompressError(f"{option} {path} cannot be written: {parent} is a file, not a directory; choose another path.")
+    try:  # where the first missing directory (or the file) will be made: what the write will need
+        _probe_write(parent)
+    except OSError as err:
+        raise HfcompressError(
+            f"{option} {path} cannot be written ({err.strerror or err} in {parent}): choose a path you can write.",
+            exit_code=WRITE_FAILED_EXIT,
+        ) from None
+
+
 # -------------------------------------------------------------------------------------------------- the model
 def context_length(config) -> int | None:
     value = getattr(config, "max_position_embeddings", None)
@@ -231,8 +343,8 @@ def check_model(options, config) -> None:
 
 
 def check_distill_context(options, config) -> None:
-    """Distillation windows within the model's context, when distillation is asked for (after the whole-model steps
-    were decided, whose refusal of a model that does not fit comes first); before calibration."""
+    """Distillation windows within the model's context, when distillation is asked for; from the source's config
+    (`check_source`), before its weights are read."""
     limit = context_length(config)
     if limit is not None and options.distill.tokens and options.distill.seq_len > limit:
         raise HfcompressError(
@@ -301,14 +413,16 @@ def source_config(source, cache_dir: Path):
 
 
 def check_source(options, source) -> None:
-    """Right after the source is resolved, before its weights are read: sequence lengths within its context, and
-    room in the cache for a GGUF's one-time dequantising (float32)."""
+    """Stage 5: right after the source is resolved, before its weights are read or a GGUF is dequantised: sequence
+    lengths within its context, the plan against its layers, and room in the cache for a GGUF's dequantising."""
     from .checkpoint import gguf_cache_dir
 
     from .progress import console
 
     config = source_config(source, options.cache_dir)
     check_model(options, config)
+    check_distill_context(options, config)
+    options.check_against_model(config)
     if source.gguf_file:
         cached = gguf_cache_dir(source, options.cache_dir)
         if (cached / "config.json").is_file():

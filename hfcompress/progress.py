@@ -4,11 +4,14 @@ On a terminal: rich progress bars. Anywhere else (a file, a pipe, a CI log): pla
 the count, the percentage, the time spent and an estimate of the time left, e.g.
 `[12:01:07] convert: layer by layer 12/30 (40%), 1:02 elapsed, about 1:33 left`. Steps of up to PER_ITEM_LINES items
 (layers) get a line each, longer ones a line per tenth, at most one a second and at least one every PLAIN_INTERVAL
-seconds; a step that takes under a second prints its final count only.
+seconds; a step that takes under a second prints its final count only. A step with no count (a speed run, a
+model load) runs inside `heartbeat`, which prints a "still running" line whenever the console was silent for
+PLAIN_INTERVAL seconds.
 """
 
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -31,7 +34,17 @@ def _log_width() -> int | None:
         return 160
 
 
-console = Console(stderr=True, log_path=False, width=_log_width())  # no "pipeline.py:161" on every line
+class _Console(Console):
+    """rich's Console, noting when it last printed a log line: the heartbeat speaks only after a silence."""
+
+    last_line = time.monotonic()
+
+    def log(self, *objects, **kwargs) -> None:
+        self.last_line = time.monotonic()
+        super().log(*objects, **kwargs)
+
+
+console = _Console(stderr=True, log_path=False, width=_log_width())  # no "pipeline.py:161" on every line
 PER_ITEM_LINES = 64
 PLAIN_INTERVAL = float(os.environ.get("HFCOMPRESS_PROGRESS_INTERVAL", "30"))
 
@@ -132,3 +145,37 @@ def training_bar(total_tokens: int, description: str, done: int = 0) -> Iterator
             progress.update(task, advance=tokens, loss=loss, tokens_per_s=tokens_per_s)
 
         yield advance
+
+
+_activities: list[list[str]] = []  # the open heartbeats, innermost last: [description, detail]
+
+
+def activity(detail: str) -> None:
+    """What the innermost heartbeat's block is doing now, for its next line (e.g. "round 2/3, converted")."""
+    if _activities:
+        _activities[-1][1] = detail
+
+
+@contextmanager
+def heartbeat(description: str) -> Iterator[None]:
+    """While the block runs, a line `description: still running (detail), M:SS elapsed` whenever the console printed
+    nothing for PLAIN_INTERVAL seconds (the innermost open heartbeat speaks), so that a log shows a live run at least
+    every PLAIN_INTERVAL seconds even through a step that counts nothing."""
+    entry = [description, ""]
+    _activities.append(entry)
+    started, stop = time.perf_counter(), threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(min(1.0, PLAIN_INTERVAL / 4)):
+            if _activities and _activities[-1] is entry and time.monotonic() - console.last_line >= PLAIN_INTERVAL:
+                detail, elapsed = f" ({entry[1]})" if entry[1] else "", duration(time.perf_counter() - started)
+                console.log(f"{description}: still running{detail}, {elapsed} elapsed", highlight=False)
+
+    thread = threading.Thread(target=beat, name=f"heartbeat: {description}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        _activities.remove(entry)

@@ -42,7 +42,7 @@ def cards_dir() -> Path:
     return _find_dir("cards")
 
 
-def _relative_imports(path: Path) -> list[str]:
+def relative_imports(path: Path) -> list[str]:
     """Module names this file imports relatively (`from .x import y`, `from . import x`), anywhere in it (also
     inside try/except, as the guarded kernel import is)."""
     names = []
@@ -73,7 +73,7 @@ def remote_code_files(auto_map: dict[str, str], kernels: bool = True) -> list[Pa
         if not kernels and paths[0].parent == folders[1]:
             continue
         found[module] = paths[0]
-        pending.extend(_relative_imports(paths[0]))
+        pending.extend(relative_imports(paths[0]))
     return sorted(found.values(), key=lambda path: (folders.index(path.parent), path.name))
 
 
@@ -123,7 +123,7 @@ def write_remote_code(config: dict, directory: Path) -> list[str]:
     kernels = uses_kernels(config)
     names = []
     for file in remote_code_files(config["auto_map"], kernels=kernels):
-        if kernels or not set(_relative_imports(file)) & _kernel_modules():
+        if kernels or not set(relative_imports(file)) & _kernel_modules():
             shutil.copy2(file, directory / file.name)
         else:
             (directory / file.name).write_text(_without_kernel_imports(file))

@@ -5,7 +5,6 @@ stream on this process's device and gives every method its directory in the cali
 complete; only the step log (`Steps`: timings, peak memory) grows while the run goes on.
 """
 
-import shlex
 import sys
 import time
 from contextlib import contextmanager
@@ -22,6 +21,7 @@ from .memory import peak_memory
 from .methods import LayerContext, Method
 from .preflight import check_source
 from .progress import console
+from .report import public_command
 from .source import ResolvedSource, load_tokenizer, resolve_source, source_identity
 from .stream import LayerStream, Processes
 from .token_streams import TokenStreams, token_streams
@@ -61,7 +61,7 @@ class Run:
     """One conversion's shared state: options, source, tokens, stream, processes, where its files go, its step log."""
 
     options: ConvertOptions
-    command: str  # the command line, for the report
+    command: str  # the command line, for the report: absolute paths reduced to their last part
     steps: Steps
     processes: Processes
     device: torch.device
@@ -102,7 +102,7 @@ class Run:
         stream = LayerStream(source_config, checkpoint, device)
         share = len(sequences) // processes.count
         run = cls(
-            options=options, command=shlex.join(["hfcompress", *(argv if argv is not None else sys.argv[1:])]),
+            options=options, command=public_command(argv if argv is not None else sys.argv[1:]),
             steps=steps or Steps(), processes=processes, device=device, source=source, tokenizer=tokenizer,
             checkpoint=checkpoint, source_config=source_config, streams=streams, stream=stream,
             sequences=sequences[processes.index * share : (processes.index + 1) * share],

@@ -39,6 +39,8 @@ BUILTIN_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the GGUF was 
 # The family a custom-code source of an unknown model_type is converted as, when its config has that family's fields.
 CUSTOM_CODE_FAMILY = FAMILIES["llama"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+WEIGHT_INDEX = "model.safetensors.index.json"
 
 
 def _any_case(pattern: str) -> str:
@@ -118,14 +120,22 @@ def _check_architecture(config: dict, tokenizer_config: dict, where: str, trust_
             "pass --trust-remote-code to convert it anyway with transformers' built-in classes of its family."
         )
     model_type = config.get("model_type")
+    if model_type is not None and not isinstance(model_type, str):  # a list would be unhashable below
+        raise HfcompressError(
+            f"The config.json of {where} has model_type = {json.dumps(model_type)[:60]}, not a name such as 'llama': "
+            "replace it with the original model's config.json."
+        )
     if model_type not in SUPPORTED_MODEL_TYPES:
         # a custom-code source of another model_type is converted as Llama when its config has Llama's fields
         llama_like = "auto_map" in config and all(field in config for field in CUSTOM_CODE_FAMILY.required_fields)
         if not (trust_remote_code and llama_like):
+            architectures = config.get("architectures") or ["unknown"]
+            architectures = architectures if isinstance(architectures, list) else [architectures]
             raise HfcompressError(
-                f"{where} is a '{model_type}' model ({', '.join(config.get('architectures') or ['unknown'])}); "
+                f"{where} is a '{model_type}' model ({', '.join(map(str, architectures))}); "
                 f"hfcompress supports only: {supported()}."
             )
+        check_config_fields(config, where)
         return bool(custom), CUSTOM_CODE_FAMILY
     family = family_for(model_type)
     missing = [field for field in family.required_fields if field not in config]
@@ -134,16 +144,94 @@ def _check_architecture(config: dict, tokenizer_config: dict, where: str, trust_
             f"The config.json of {where} lacks {', '.join(missing)}, which every {family.title} config defines: use "
             "the config.json of the original model."
         )
+    check_config_fields(config, where)
     return bool(custom), family
 
 
-def _read_json(path: Path) -> dict:
+def read_json_object(path: Path) -> dict:
+    """A JSON object file of the source (config, tokenizer config, weight index), refused in one sentence naming the
+    file when it is not JSON or not an object: the later `.get` and `in` on it would fail with a traceback."""
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise HfcompressError(
             f"{path} is not valid JSON ({err}): replace it with the file of the original model."
         ) from err
+    if not isinstance(data, dict):
+        raise HfcompressError(
+            f"{path} holds a JSON {type(data).__name__}, not an object of named fields: replace it with the file of "
+            "the original model."
+        )
+    return data
+
+
+# config.json fields read before any weight, with the type transformers and hfcompress expect: a string such as
+# "four" would pass transformers' config class and fail later with a TypeError. Required fields (the family's) must be
+# present; the others may be absent or null.
+_POSITIVE_INT_FIELDS = (
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "num_key_value_heads",
+    "head_dim", "max_position_embeddings", "sliding_window",
+)  # fmt: skip
+_NUMBER_FIELDS = ("rms_norm_eps", "rope_theta")
+_BOOL_FIELDS = ("tie_word_embeddings", "attention_bias")
+
+
+def check_config_fields(config: dict, where: str) -> None:
+    """Refuse a config.json field of the wrong type, or head counts that do not divide, naming the file and the field."""
+
+    def wrong(name: str, expected: str) -> HfcompressError:
+        return HfcompressError(
+            f"The config.json of {where} has {name} = {json.dumps(config[name])[:60]}, not {expected}: replace it with "
+            "the original model's config.json."
+        )
+
+    for name in _POSITIVE_INT_FIELDS:
+        value = config.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise wrong(name, "a whole number > 0")
+    for name in _NUMBER_FIELDS:
+        value = config.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise wrong(name, "a number")
+    for name in _BOOL_FIELDS:
+        if config.get(name) is not None and not isinstance(config[name], bool):
+            raise wrong(name, "true or false")
+    types = config.get("layer_types")
+    if types is not None and (not isinstance(types, list) or len(types) != config.get("num_hidden_layers", len(types))):
+        raise wrong("layer_types", f"a list of one attention type per layer ({config.get('num_hidden_layers')})")
+    heads, kv_heads = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if heads and kv_heads and heads % kv_heads:
+        raise HfcompressError(
+            f"The config.json of {where} has num_attention_heads = {heads}, not a multiple of num_key_value_heads = "
+            f"{kv_heads}: replace it with the original model's config.json."
+        )
+
+
+def check_weight_index(index: dict, files: set[str], where: str) -> None:
+    """The weight index maps tensor names to shard files, and every shard it names is among `files` (the source's)."""
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
+        raise HfcompressError(
+            f"The {WEIGHT_INDEX} of {where} has no weight_map of tensor names to shard files: replace it with the "
+            "original model's."
+        )
+    missing = sorted(set(weight_map.values()) - files)
+    if missing:
+        raise HfcompressError(
+            f"The {WEIGHT_INDEX} of {where} names the shard {missing[0]}, which is not there"
+            + (f" ({len(missing)} shards missing)" if len(missing) > 1 else "")
+            + ": download the model's shards again."
+        )
+
+
+def check_source_files(path: Path, where: str) -> None:
+    """The tokenizer's JSON files and the weight index of a source directory read as JSON objects, and the index's
+    shards present: each refusal names the file, before any model work."""
+    for name in TOKENIZER_JSON_FILES:
+        if (path / name).is_file():
+            read_json_object(path / name)
+    if (path / WEIGHT_INDEX).is_file():
+        check_weight_index(read_json_object(path / WEIGHT_INDEX), {f.name for f in path.iterdir()}, where)
 
 
 def _require_tokenizer(files: set[str], where: str) -> None:
@@ -159,12 +247,13 @@ def _resolve_local_dir(path: Path, name: str, trust_remote_code: bool) -> Resolv
         raise HfcompressError(f"{path} has no config.json: point SOURCE at a saved transformers model directory.")
     tokenizer_config = path / "tokenizer_config.json"
     custom, family = _check_architecture(
-        _read_json(config_path), _read_json(tokenizer_config) if tokenizer_config.is_file() else {}, str(path),
+        read_json_object(config_path), read_json_object(tokenizer_config) if tokenizer_config.is_file() else {}, str(path),
         trust_remote_code,
     )
     if not any(path.glob("*.safetensors")):
         raise HfcompressError(f"{path} has no *.safetensors weights: save the model with safe_serialization=True.")
     _require_tokenizer({f.name for f in path.iterdir()}, str(path))
+    check_source_files(path, str(path))
     return ResolvedSource(kind="local", name=name, path=str(path), custom_code=custom, family=family.name)
 
 
@@ -382,9 +471,9 @@ def _resolve_hub(repo_id: str, revision: str | None, token: str | None, trust_re
         if "config.json" not in files:
             raise HfcompressError(f"{where} has no config.json: it is not a transformers model.")
         # small files first, so a source that would be refused costs no weight download
-        config = _read_json(Path(api.hf_hub_download(repo_id, "config.json", revision=info.sha)))
+        config = read_json_object(Path(api.hf_hub_download(repo_id, "config.json", revision=info.sha)))
         tokenizer_config = (
-            _read_json(Path(api.hf_hub_download(repo_id, "tokenizer_config.json", revision=info.sha)))
+            read_json_object(Path(api.hf_hub_download(repo_id, "tokenizer_config.json", revision=info.sha)))
             if "tokenizer_config.json" in files
             else {}
         )
@@ -392,9 +481,12 @@ def _resolve_hub(repo_id: str, revision: str | None, token: str | None, trust_re
         if not any(f.endswith(".safetensors") for f in files):
             raise HfcompressError(f"{where} has no *.safetensors weights; hfcompress does not load pickles.")
         _require_tokenizer(files, where)
+        if WEIGHT_INDEX in files:  # before the weights: a broken index costs no download
+            check_weight_index(read_json_object(Path(api.hf_hub_download(repo_id, WEIGHT_INDEX, revision=info.sha))), files, where)
         # At the commit resolved above, not by name: a push between the two calls cannot mix two commits' files.
         path = snapshot_download(repo_id, revision=info.sha, allow_patterns=HUB_ALLOW_PATTERNS, token=token)
         _check_snapshot(Path(path), info.sha, files, where)
+        check_source_files(Path(path), where)
         # A download by sha records no branch/tag in the cache; HF_HUB_OFFLINE=1 reruns find the snapshot by it.
         _record_ref(Path(path), requested, info.sha)
     except GatedRepoError as err:
@@ -527,7 +619,7 @@ def load_tokenizer(source: ResolvedSource):
             tokenizer = PreTrainedTokenizerFast.from_pretrained(source.path)
         else:
             tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=False, **kwargs)
-    except (OSError, ValueError) as err:
+    except Exception as err:  # tokenizers raises a bare Exception on a tokenizer.json of the wrong structure
         raise HfcompressError(
             f"The tokenizer of {source.name} cannot be loaded ({_first_line(err)}): the source must ship a working "
             "tokenizer.json or tokenizer.model."

@@ -69,6 +69,9 @@ import os
 import re
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
@@ -608,11 +611,30 @@ def _load_before(domain: HubDomain, revision: str | None, deadline: float) -> Te
     return result["text"]
 
 
+# set while a local source (a directory, a .gguf, the built-in model) is converted: its run asks the Hub for nothing
+# it did not name, so "auto" is the offline mixture without a probe (wikitext-2 and hf:... still go to the Hub)
+_LOCAL_SOURCE = ContextVar("hfcompress_local_source", default=False)
+LOCAL_SOURCE_REASON = "the source is local, so auto asks the Hub for nothing (name wikitext-2 or hf:OWNER/NAME for Hub text)"
+
+
+@contextmanager
+def local_source_texts() -> Iterator[None]:
+    """Within the block "auto" texts never touch the network: the conversion of a local source stays offline."""
+    token = _LOCAL_SOURCE.set(True)
+    try:
+        yield
+    finally:
+        _LOCAL_SOURCE.reset(token)
+
+
 def online_mixture() -> tuple[Text | None, str | None]:
     """(the online mixture, None): the offline domains and every Hub domain that loads, when the Hub answers; else
-    (None, why not). An unreachable Hub costs one bounded request (the wikitext-2 probe) and no load."""
+    (None, why not). An unreachable Hub costs one bounded request (the wikitext-2 probe) and no load; a local source's
+    run (local_source_texts) makes none."""
     from huggingface_hub import constants
 
+    if _LOCAL_SOURCE.get():
+        return None, LOCAL_SOURCE_REASON
     probe = _dataset_revision()
     if not probe.answered:
         return None, probe.reason

@@ -27,6 +27,7 @@ from hfcompress.card import (
 )
 from hfcompress.cli import app
 from tests.test_convert import FAST
+from tests.test_distill import models, run_stage  # noqa: F401  (models: the fixture)
 
 REPO = "me/tiny-lisa"
 SOURCE_README = """---
@@ -394,3 +395,50 @@ def test_parameters_with_and_without_embeddings(converted, report):
     assert converted_counts["embeddings"] == original["embeddings"]  # no method touches the embeddings
     text = ModelCard.load(converted / "README.md").text
     assert f"without the embeddings, original\n{original['without_embeddings']:,}" in text
+
+
+def test_a_gguf_original_is_named_as_loaded_beside_base_model(report):
+    """The built-in source's original is a dequantised Q4_1 GGUF while base_model names the full-precision repo: the
+    card says what was loaded at the top and in the results table, not only in its licence section."""
+    gguf = copy.deepcopy(report)
+    gguf["source"].update(kind="gguf", name="smollm2-135m-instruct", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+                          base_model="HuggingFaceTB/SmolLM2-135M-Instruct")  # fmt: skip
+    card = render_card(gguf, REPO)
+    text = " ".join(card.text.split())
+    assert header(card)["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert ("**The original, as loaded:** the Q4_1 GGUF file `SmolLM2-135M-Instruct.Q4_1.gguf` of "
+            "`HuggingFaceTB/SmolLM2-135M-Instruct`, dequantised to float32 by hfcompress.") in text
+    assert "not of the full-precision `HuggingFaceTB/SmolLM2-135M-Instruct` that `base_model` names" in text
+    assert text.index("The original, as loaded") < text.index("## What runs this model")
+    assert "| original (smollm2-135m-instruct, dequantised Q4_1 GGUF) |" in card.text
+    assert "as loaded" not in render_card(report, REPO).text  # a safetensors source is what it names
+
+
+def test_untrusted_speed_states_no_ratio(report):
+    """Speed figures the noise check did not trust: the card says so with the reason and prints no table, no ratio."""
+    timed = copy.deepcopy(report)
+    figures = {"prefill_tokens": 512, "prefill_tokens_per_s": 900.0, "decode_tokens": 32, "decode_tokens_per_s": 40.0,
+               "cache_mb": 1.0}  # fmt: skip
+    timed["speed"] = {
+        "hardware": "CPU (test, 2 cores, torch 1 thread)", "dtype": "float32", "repeats": 3, "threads": 1,
+        "original": figures, "converted": {**figures, "decode_tokens_per_s": 26.4}, "prefill_speedup": 0.38,
+        "decode_speedup": 0.66, "trusted": True, "noise": {"reasons": []},
+    }  # fmt: skip
+    assert "(0.66x)" in render_card(timed, REPO).text
+    timed["speed"].update(trusted=False, noise={"reasons": ["the machine was busy (load average 3.4 on 2 cores)"]})
+    text = " ".join(render_card(timed, REPO).text.split())
+    assert ("The speed figures are not trusted, so none is stated here**: the machine was busy (load average 3.4 on "
+            "2 cores).") in text
+    assert "0.66x" not in text and "0.38x" not in text and "| model | prefill tok/s" not in text
+    del timed["speed"]["trusted"]  # a report from before the noise check: as it was
+    assert "(0.66x)" in render_card(timed, REPO).text
+
+
+def test_every_distillation_step_of_a_short_run_is_on_the_loss_curve(models, tmp_path):
+    """A short run (8 steps here, 32 by default) has a KL point per step on its curve and plot, not one averaged point."""
+    from hfcompress.plots import learning_curve
+
+    teacher, student, train_ids, eval_ids = models
+    _, record = run_stage(student, teacher, train_ids, eval_ids, tmp_path)
+    assert [row["tokens"] for row in record["kl"]] == [64 * (step + 1) for step in range(record["steps"])]
+    assert learning_curve(record, tmp_path / "distillation.png").stat().st_size > 0

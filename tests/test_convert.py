@@ -92,7 +92,7 @@ def test_gate_failure_writes_marked_output_and_never_pushes(tiny_llama_dir, hub_
     env = {**hub_env, "HFCOMPRESS_CACHE": str(tmp_path / "cache")}
     proc = subprocess.run(
         [sys.executable, "-m", "hfcompress.cli", "convert", str(tiny_llama_dir), "--out", str(out),
-         "--push-to", f"{HUB_USER}/never", "--max-ppl-increase", "-100", "--no-back-off", *FAST],
+         "--push-to", f"{HUB_USER}/never", "--max-ppl-increase", "0", "--no-back-off", *FAST],
         env=env, capture_output=True, text=True,
     )
     assert proc.returncode == 3, proc.stderr[-2000:]
@@ -158,14 +158,15 @@ def test_bad_fasc_method(tiny_llama_dir, tmp_path):
 
 
 def test_interrupted_write_leaves_nothing(tmp_path):
-    from hfcompress.build import write_output_dir
+    from hfcompress.atomic import atomic_directory
+    from hfcompress.output import user_entries
 
     def crash(directory: Path) -> None:
         (directory / "model.safetensors").write_bytes(b"half")
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        write_output_dir(tmp_path / "o", overwrite=False, write=crash)
+        atomic_directory(tmp_path / "o", crash, user_entries)
     assert not (tmp_path / "o").exists() and no_partial_dirs(tmp_path)
 
 
@@ -233,9 +234,10 @@ def test_eval_refuses_foreign_code_without_flag(tmp_path):
 def test_output_dir_has_ordinary_permissions(tmp_path):
     import os
 
-    from hfcompress.build import write_output_dir
+    from hfcompress.atomic import atomic_directory
+    from hfcompress.output import user_entries
 
-    out = write_output_dir(tmp_path / "o", overwrite=False, write=lambda d: (d / "x").write_text("1"))
+    out = atomic_directory(tmp_path / "o", lambda d: (d / "x").write_text("1"), user_entries)
     umask = os.umask(0)
     os.umask(umask)
     assert out.stat().st_mode & 0o777 == 0o777 & ~umask

@@ -206,7 +206,7 @@ def test_whole_model_steps_skip_by_default_and_refuse_when_asked(tiny, tmp_path,
     with pytest.raises(HfcompressError, match="--probe needs the whole model.*pass --no-probe"):
         pipeline.convert(ConvertOptions(source=str(tiny), out=tmp_path / "a", cache_dir=tmp_path / "cache", **{**SETTINGS, "probe": True}), argv=[])
     with pytest.raises(HfcompressError, match="distillation train the whole model"):
-        settings = {**SETTINGS, "distill": DistillOptions(tokens=4096)}
+        settings = {**SETTINGS, "distill": DistillOptions(tokens=4096, seq_len=128)}  # within the tiny model's context
         pipeline.convert(ConvertOptions(source=str(tiny), out=tmp_path / "b", cache_dir=tmp_path / "cache", **settings), argv=[])
     assert calibrated == []
     monkeypatch.setattr(pipeline, "calibrate", lambda *a: None)
@@ -255,7 +255,7 @@ def test_a_new_plan_in_the_same_cache_converts_afresh(tiny, tmp_path):
 def test_back_off_is_refused_where_it_has_no_count_to_lower(tiny, tmp_path):
     """--back-off lowers the count --share-ratio asks for: with an explicit list or a search it is refused before any
     work, with the flag to drop."""
-    for lisa, flag in ((LisaOptions(layers=[1, 2]), "--lisa-layers"), (LisaOptions(ppl_budget=5.0), "--lisa-ppl-budget")):
+    for lisa, flag in ((LisaOptions(layers=[2, 3]), "--lisa-layers"), (LisaOptions(ppl_budget=5.0), "--lisa-ppl-budget")):
         with pytest.raises(HfcompressError, match=f"--back-off .*{flag} chooses them instead"):
             pipeline.convert(ConvertOptions(source=str(tiny), out=tmp_path / "out", back_off=True, lisa=lisa), argv=[])
         assert not ConvertOptions(source=str(tiny), out=tmp_path / "out", lisa=lisa).validate().backs_off  # the default: off
@@ -301,7 +301,7 @@ def test_back_off_converts_again_with_fewer_layers_until_the_gate_passes(tmp_pat
     # peers are computed for that one only, not for the attempts thrown away
     proc = subprocess.run(
         [sys.executable, "-m", "hfcompress.cli", "convert", str(tiny), "--out", str(tmp_path / "fails"), "--back-off",
-         *CLI_SETTINGS, "--fasc-budget", "1.0", "--share-ratio", "0.75", "--max-ppl-increase", "-50", "--peers"],
+         *CLI_SETTINGS, "--fasc-budget", "1.0", "--share-ratio", "0.75", "--max-ppl-increase", "0", "--peers"],
         capture_output=True, text=True, env=dict(os.environ, HFCOMPRESS_CACHE=str(cache)), timeout=900,
     )  # fmt: skip
     assert proc.returncode == 3, proc.stderr[-2000:]

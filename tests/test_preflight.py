@@ -326,12 +326,14 @@ def test_disk_filling_up_during_the_run(warm, tmp_path, limit_kb, needle):
 
 
 def test_push_command_offline_keeps_the_output_and_gives_the_line(tiny_llama_dir, tmp_path, monkeypatch):
-    """`hfcompress push` with HF_HUB_OFFLINE=1 (set for this test by conftest): the push's exit code and its line,
-    not "check free space and permissions" (exit 1)."""
+    """`hfcompress push` with HF_HUB_OFFLINE=1 (set for this test by conftest): the push's exit code, a message that
+    names HF_HUB_OFFLINE and says to unset it, and the line; not "check free space and permissions" (exit 1)."""
     out = tmp_path / "tiny-lisa"
     shutil.copytree(tiny_llama_dir, out)
     (out / "hfcompress_report.json").write_text(json.dumps({"validation": {"gate_passed": True}}))
     (out / "README.md").write_text("# tiny-lisa\n")
     monkeypatch.setenv("HF_TOKEN", "hf_" + "a" * 34)
     result = runner.invoke(app, ["push", str(out), f"{HUB_USER}/tiny-lisa"])
-    refused(result, 4, "OfflineModeIsEnabled", f"hfcompress push {out} {HUB_USER}/tiny-lisa")
+    text = refused(result, 4, "HF_HUB_OFFLINE=1 is set", "unset HF_HUB_OFFLINE", f"hfcompress push {out} {HUB_USER}/tiny-lisa",
+                   f"kept in {out}")
+    assert "push it later" not in text

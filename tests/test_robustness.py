@@ -7,10 +7,14 @@ random Llamas. The CLI runs in-process (CliRunner), except where real stderr log
 
 import errno
 import json
+import os
+import resource
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -173,7 +177,7 @@ def test_broken_weights(tiny_llama_dir, tmp_path, damage, needles):
 def test_tokenizer_missing_or_broken(tiny_llama_dir, tmp_path):
     out = tmp_path / "o"
     (tiny_llama_dir / "tokenizer.json").write_text("{ broken")
-    assert_refused(convert(str(tiny_llama_dir), "--out", str(out)), 2, "tokenizer", "cannot be loaded", out=out)
+    assert_refused(convert(str(tiny_llama_dir), "--out", str(out)), 2, "tokenizer.json is not valid JSON", out=out)
     (tiny_llama_dir / "tokenizer.json").unlink()
     result = convert(str(tiny_llama_dir), "--out", str(out))
     assert_refused(result, 2, "has no tokenizer (tokenizer.json or tokenizer.model)", out=out)
@@ -395,16 +399,16 @@ def test_disk_full_keeps_earlier_output(warm, tmp_path, monkeypatch):
     out.mkdir()
     (out / "earlier.txt").write_text("an earlier conversion")
     (out / "hfcompress_report.json").write_text("{}")  # --overwrite replaces only an earlier output
-    real_write_output_dir = convert_module.write_output_dir
+    real_atomic_directory = convert_module.atomic_directory
 
-    def disk_fills_up(out_dir, overwrite, write):
+    def disk_fills_up(out_dir, write, keep):
         def write_until_full(tmp: Path) -> None:
             (tmp / "model.safetensors").write_bytes(b"\0" * 4096)
             raise OSError(errno.ENOSPC, "No space left on device", str(tmp / "model.safetensors"))
 
-        return real_write_output_dir(out_dir, overwrite, write_until_full)
+        return real_atomic_directory(out_dir, write_until_full, keep)
 
-    monkeypatch.setattr(convert_module, "write_output_dir", disk_fills_up)
+    monkeypatch.setattr(convert_module, "atomic_directory", disk_fills_up)
     result = convert(str(tiny), "--out", str(out), "--overwrite", "--max-ppl-increase", "1000", *FAST)
     assert result.exit_code == 5, result.output
     assert "The disk is full" in result.output and "earlier output there is untouched" in result.output
@@ -435,6 +439,276 @@ def test_cache_save_on_full_disk_is_skipped(tmp_path, monkeypatch):
     monkeypatch.setattr(calibrate.torch, "save", no_space)
     assert calibrate.load_or_compute(tmp_path / "stats.pt", lambda: {"x": 1}) == {"x": 1}
     assert list(tmp_path.iterdir()) == []  # no partial file left behind
+
+
+# ---------------------------------------------------------- issue #43: --overwrite, local paths, signals, limits
+def cli(*args: str, cache: Path, limit: int | None = None) -> dict:
+    """The Popen settings of `hfcompress ARGS` in a real process with the calibration cache `cache`; `limit`: no file
+    it writes may grow past so many bytes (RLIMIT_FSIZE), with SIGXFSZ at its default action (kill) as a shell or a
+    scheduler may hand it on, so the process itself must ignore it for the write to fail with EFBIG."""
+
+    def file_size_limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    env = {**os.environ, "HFCOMPRESS_CACHE": str(cache), "COLUMNS": "300"}
+    return {
+        "args": [sys.executable, "-m", "hfcompress.cli", *args], "env": env, "text": True,
+        "stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **({"preexec_fn": file_size_limit} if limit else {}),
+    }
+
+
+def beside(out: Path) -> list[str]:
+    """What lies beside `out` that a run made: partial or moved-aside outputs, the lock file."""
+    return sorted(p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}."))
+
+
+def one_sentence(stderr: str) -> str:
+    errors = [line for line in stderr.splitlines() if line.startswith(("error:", "interrupted"))]
+    assert len(errors) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    return " ".join(stderr[stderr.index(errors[0]) :].split())
+
+
+def test_overwrite_keeps_the_users_files_and_replaces_the_earlier_run(warm, tmp_path, monkeypatch):
+    """--overwrite replaces what the earlier run wrote (its report lists it) and keeps what the user put in the
+    output: a directory of evaluation runs, notes. A stale shard of the earlier run does not survive."""
+    tiny, cache = warm
+    monkeypatch.setenv("HFCOMPRESS_CACHE", str(cache))
+    out = tmp_path / "o"
+    command = [str(tiny), "--out", str(out), "--max-ppl-increase", "1000", *FAST]
+    assert convert(*command).exit_code == 0
+    report = json.loads((out / "hfcompress_report.json").read_text())
+    assert {"config.json", "model.safetensors", "README.md", "hfcompress_report.json"} <= set(report["files"])
+    assert sorted(report["files"]) == sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    report["files"].append("model-00002-of-00002.safetensors")  # as if the earlier run had written two shards
+    (out / "hfcompress_report.json").write_text(json.dumps(report))
+    (out / "model-00002-of-00002.safetensors").write_bytes(b"stale shard")
+    (out / "NOTES.md").write_text("my notes")
+    (out / "my_eval_runs" / "run-1").mkdir(parents=True)
+    (out / "my_eval_runs" / "run-1" / "results.json").write_text('{"acc": 0.5}')
+
+    result = convert(*command, "--overwrite")
+    assert result.exit_code == 0, result.output
+    assert (out / "NOTES.md").read_text() == "my notes"
+    assert (out / "my_eval_runs" / "run-1" / "results.json").read_text() == '{"acc": 0.5}'
+    assert not (out / "model-00002-of-00002.safetensors").exists()
+    files = json.loads((out / "hfcompress_report.json").read_text())["files"]
+    assert "NOTES.md" not in files and not [f for f in files if f.startswith("my_eval_runs")]  # still the user's
+    assert not beside(out)
+
+
+def test_overwrite_of_an_earlier_output_without_a_file_list(tmp_path):
+    """A report from before the list of files: the names hfcompress writes are the earlier run's, the rest the user's."""
+    from hfcompress.output import user_entries
+
+    earlier = tmp_path / "o"
+    (earlier / "plots").mkdir(parents=True)
+    for name in ("hfcompress_report.json", "config.json", "model-00001-of-00002.safetensors", "tokenizer.json",
+                 "modeling_lisa_llama.py", "README.md", "NOTICE", "NOTES.md", "eval.json"):  # fmt: skip
+        (earlier / name).write_text("{}")
+    (earlier / "my_eval_runs").mkdir()
+    assert user_entries(earlier) == ["NOTES.md", "eval.json", "my_eval_runs"]
+    (earlier / "hfcompress_report.json").write_text(json.dumps({"files": ["config.json", "plots/similarity.png"]}))
+    assert "NOTES.md" in user_entries(earlier) and "config.json" not in user_entries(earlier)
+    assert "plots" not in user_entries(earlier) and "README.md" in user_entries(earlier)  # the list is what it wrote
+
+
+def test_overwrite_still_refuses_a_directory_that_is_no_output(tiny_llama_dir, tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "NOTES.md").write_text("my notes")
+    result = convert(str(tiny_llama_dir), "--out", str(out), "--overwrite")
+    assert result.exit_code == 2 and "is not an hfcompress output" in result.output, result.output
+    assert [p.name for p in out.iterdir()] == ["NOTES.md"]
+
+
+def test_public_paths():
+    from hfcompress.report import public_command, without_local_paths
+
+    assert public_command(["convert", "/home/alice/models/tiny", "--out=/tmp/x/o", "--calib-text", "~/c.txt", "me/model",
+                           "--out", "rel/o"]) == "hfcompress convert tiny --out=o --calib-text c.txt me/model --out rel/o"  # fmt: skip
+    text = "/home/alice/corpus.txt, first 75%; 12 tokens/s, 1/4, https://huggingface.co/me/model, (~/x/y.txt)"
+    assert without_local_paths({"a": [text]}) == {"a": ["corpus.txt, first 75%; 12 tokens/s, 1/4, https://huggingface.co/me/model, (y.txt)"]}
+
+
+def test_no_absolute_local_path_in_the_output(warm, tmp_path, tmp_path_factory):
+    """Every file of the output (what `push` uploads) is free of the local directories: the source's, the output's,
+    the cache's, a text file's, this checkout's, the home directory. A real process, so the command line is real."""
+    tiny, cache = warm
+    out = tmp_path / "o"
+    text = tmp_path / "my texts" / "notes.txt"
+    text.parent.mkdir()
+    text.write_text(" ".join(f"Paragraph {i} says something plain about the weather and the sea." for i in range(400)))
+    args = [arg if arg != "none" else str(text) for arg in FAST]  # --ood-text: a file given by its absolute path
+    proc = subprocess.run(**cli("convert", str(tiny), "--out", str(out), "--max-ppl-increase", "1000", *args, cache=cache),
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    local = {str(tmp_path_factory.getbasetemp()), str(Path.cwd()), str(Path.home()), sys.prefix, "/tmp/"}
+    leaks = {str(p.relative_to(out)): [d for d in local if d.encode() in p.read_bytes()] for p in out.rglob("*") if p.is_file()}
+    assert not {name: dirs for name, dirs in leaks.items() if dirs}, leaks
+    report = json.loads((out / "hfcompress_report.json").read_text())
+    assert report["source"]["name"] == report["source"]["path"] == tiny.name
+    assert report["calibration"]["cache_dir"] == Path(report["calibration"]["cache_dir"]).name
+    assert report["command"].startswith(f"hfcompress convert {tiny.name} --out o ") and "--ood-text notes.txt" in report["command"]
+    assert f"hfcompress convert {tiny.name} --out o" in (out / "README.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def wide_vocabulary(tmp_path_factory) -> Path:
+    """A tiny Llama with a 2048-token vocabulary: its embeddings and lm_head (rest.safetensors, 1.05 MB) are the
+    largest file a conversion writes into the cache, and the output's one shard (1.6 MB) is larger still."""
+    from tests.tiny_models import save_tiny_llama
+
+    return save_tiny_llama(tmp_path_factory.mktemp("wide") / "tiny-wide", vocab_size=2048)
+
+
+@pytest.mark.parametrize(
+    "limit_kb, where", [(700, "rest.safetensors"), (1200, "model.safetensors")], ids=["cache-safetensors", "output-shard"]
+)
+def test_file_size_limit_while_writing_weights(wide_vocabulary, tmp_path, limit_kb, where):
+    """A real file size limit (RLIMIT_FSIZE, as a full disk) reached by safetensors' writer in the cache (it raised
+    SafetensorError, a traceback and exit 1) or by the output's shard: one sentence, exit 5, the earlier output and
+    the user's file in it untouched, nothing partial beside it or in the cache, the work done so far cached."""
+    out, cache = tmp_path / "o", tmp_path / "cache"
+    out.mkdir()
+    (out / "hfcompress_report.json").write_text('{"earlier": true}')
+    (out / "NOTES.md").write_text("my notes")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    command = ["convert", str(wide_vocabulary), "--out", str(out), "--overwrite", "--max-ppl-increase", "1000", *FAST]
+    proc = subprocess.run(**cli(*command, cache=cache, limit=limit_kb * 1024), timeout=600)
+    assert proc.returncode == 5, proc.stderr[-3000:]
+    message = one_sentence(proc.stderr)
+    assert "File too large" in message and where in message and "rerun the same command" in message, message
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before and not beside(out)
+    assert list(cache.rglob("hidden-*.pt")) and list(cache.rglob("layer-*.safetensors"))  # kept for the rerun
+    assert not [p for p in cache.rglob("*") if ".partial-" in p.name]
+
+
+def write_llama_gguf(source: Path, dest: Path) -> Path:
+    """A float32 llama GGUF of a tiny checkpoint (gguf's own writer): its config, BPE tokenizer and tensors, the
+    embeddings first, as llama.cpp orders them."""
+    import numpy as np
+    from gguf import GGUFWriter, TokenType
+
+    config = json.loads((source / "config.json").read_text())
+    tokenizer = json.loads((source / "tokenizer.json").read_text())
+    tensors = load_file(source / "model.safetensors")
+    writer = GGUFWriter(str(dest), "llama")
+    writer.add_name("tiny")
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+    vocab = [token for token, _ in sorted(tokenizer["model"]["vocab"].items(), key=lambda item: item[1])]
+    special = {token["content"] for token in tokenizer.get("added_tokens", [])}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(vocab)
+    writer.add_token_types([TokenType.CONTROL if token in special else TokenType.NORMAL for token in vocab])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]])
+    writer.add_bos_token_id(config["bos_token_id"])
+    writer.add_eos_token_id(config["eos_token_id"])
+    names = {"model.embed_tokens.weight": "token_embd", "model.norm.weight": "output_norm", "lm_head.weight": "output"}
+    parts = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}  # fmt: skip
+    layers = [key for key in tensors if key.startswith("model.layers.")]
+    for key in ["model.embed_tokens.weight", *layers, "model.norm.weight", "lm_head.weight"]:
+        if key in names:
+            name = names[key]
+        else:  # model.layers.I.PART.weight
+            index, part = key.split(".")[2], ".".join(key.split(".")[3:-1])
+            name = f"blk.{index}.{parts[part]}"
+        writer.add_tensor(f"{name}.weight", np.ascontiguousarray(tensors[key], dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dest
+
+
+def test_file_size_limit_while_dequantising_a_gguf(wide_vocabulary, tmp_path):
+    """The GGUF's one-time float32 copy in the cache meets a real file size limit at its first part (the 512 KB
+    embeddings): one sentence, exit 5 (it was SafetensorError, a traceback, and the half-written copy stayed)."""
+    gguf = write_llama_gguf(wide_vocabulary, tmp_path / "tiny-wide.gguf")
+    out, cache = tmp_path / "o", tmp_path / "cache"
+    proc = subprocess.run(**cli("convert", str(gguf), "--out", str(out), *FAST, cache=cache, limit=300 * 1024), timeout=600)
+    assert proc.returncode == 5, proc.stderr[-3000:]
+    message = one_sentence(proc.stderr)
+    assert "File too large" in message and "part-00000.safetensors" in message and "rerun" in message, message
+    assert not out.exists() and not beside(out)
+    assert not [p for p in cache.rglob("*") if p.name.startswith("gguf-")]  # no partial copy, none that looks done
+
+
+def wait_for(condition, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_termination_signal_is_handled_like_ctrl_c(warm, tmp_path, signum):
+    """What `timeout`, systemd and job schedulers send, while the output is being written (its partial directory
+    exists): one sentence, exit 128 + the signal, no output, nothing beside it (partial directory, lock), the cache
+    kept for the rerun."""
+    tiny, cache = warm
+    out = tmp_path / "o"
+    proc = subprocess.Popen(**cli("convert", str(tiny), "--out", str(out), "--max-ppl-increase", "1000", *FAST, cache=cache))
+    try:
+        wait_for(lambda: any(".partial-" in name for name in beside(out)) or proc.poll() is not None)
+        proc.send_signal(signum)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signum, stderr[-3000:]
+    message = one_sentence(stderr)
+    assert f"interrupted by {signal.Signals(signum).name}" in message and "rerun the same command" in message
+    assert not out.exists() and not beside(out)
+    assert list(cache.rglob("hidden-*.pt"))
+
+
+def test_killed_run_leftovers_are_removed_by_the_next_run(warm, tmp_path, monkeypatch):
+    """SIGKILL cannot be handled: its partial output directory stays, until the next run into the same --out removes
+    it. A partial directory of a run that is still alive is left alone."""
+    tiny, cache = warm
+    out = tmp_path / "o"
+    command = [str(tiny), "--out", str(out), "--max-ppl-increase", "1000", *FAST]
+    proc = subprocess.Popen(**cli("convert", *command, cache=cache))
+    try:
+        wait_for(lambda: any(".partial-" in name for name in beside(out)) or proc.poll() is not None)
+        proc.kill()
+        proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    killed = [name for name in beside(out) if f".partial-{proc.pid}-" in name]
+    assert killed and not out.exists()
+    alive = tmp_path / f".o.partial-{os.getpid()}-0a1b2c3d"  # a live run's (this process)
+    alive.mkdir()
+
+    monkeypatch.setenv("HFCOMPRESS_CACHE", str(cache))
+    result = convert(*command)
+    assert result.exit_code == 0, result.output
+    assert beside(out) == [alive.name] and (out / "hfcompress_report.json").is_file()
+
+
+def test_an_output_moved_aside_by_a_killed_run_is_put_back(tmp_path):
+    from hfcompress.atomic import remove_leftovers
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its pid is no process's now
+    out = tmp_path / "o"
+    moved = tmp_path / f".o.old-{dead.pid}"
+    moved.mkdir()
+    (moved / "hfcompress_report.json").write_text("{}")
+    remove_leftovers(out)  # killed between moving the earlier output aside and renaming the new one into place
+    assert (out / "hfcompress_report.json").is_file() and not moved.exists()
+    moved.mkdir()
+    remove_leftovers(out)  # killed after the swap: `out` is the newer output
+    assert not moved.exists() and (out / "hfcompress_report.json").is_file()
 
 
 # ------------------------------------------------------------------------------------------------------- push
@@ -544,6 +818,50 @@ def test_gate_failed_directory_needs_force(hub_inprocess, output_dir):
     assert "hfcompress_report.json" in remote_files(hub_inprocess, repo)
 
 
+def test_push_uploads_only_what_hfcompress_wrote(hub_inprocess, output_dir):
+    """The user's notes and evaluation runs that --overwrite keeps in an output are never uploaded: only the files the
+    report lists (or, for a report from before that list, the names hfcompress writes), each of them; the console
+    names what was left out."""
+    ours = sorted(p.name for p in output_dir.iterdir()) + ["plots/similarity.png"]
+    (output_dir / "plots").mkdir()
+    (output_dir / "plots" / "similarity.png").write_bytes(b"png")
+    (output_dir / "NOTES.md").write_text("my private notes")
+    (output_dir / "my_eval_runs" / "run-1").mkdir(parents=True)
+    (output_dir / "my_eval_runs" / "run-1" / "results.json").write_text('{"acc": 0.5}')
+    old_report = json.loads((output_dir / "hfcompress_report.json").read_text())
+    for repo, report in ((f"{HUB_USER}/listed", {**old_report, "files": ours}), (f"{HUB_USER}/unlisted", old_report)):
+        (output_dir / "hfcompress_report.json").write_text(json.dumps(report))
+        result = push(output_dir, repo)
+        assert result.exit_code == 0, result.output
+        assert remote_files(hub_inprocess, repo) == set(ours), repo
+        said = " ".join(result.output.split())
+        assert "leaving out 2 files that hfcompress did not write (NOTES.md, my_eval_runs/run-1/results.json)" in said
+
+
+def test_push_interrupted_by_sigterm_says_the_output_is_complete(local_hub, hub_env, output_dir):
+    """SIGTERM while the commit is in flight: not "nothing was written" but the complete output and the command that
+    pushes it; exit 143, nothing half-pushed, the output untouched."""
+    repo = f"{HUB_USER}/tiny-lisa"
+    local_hub.inject_fault("POST", f"/api/models/{repo}/commit/", "stall:20")  # the commit hangs until the signal
+    before = {p.name: p.read_bytes() for p in output_dir.iterdir()}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hfcompress.cli", "push", str(output_dir), repo], text=True, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, env={**hub_env, "HFCOMPRESS_HTTP_TIMEOUT": "60", "COLUMNS": "300"},
+    )
+    try:
+        wait_for(lambda: local_hub.requests_matching("POST", f"/api/models/{repo}/commit/") or proc.poll() is not None)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, stderr[-3000:]
+    message = one_sentence(stderr)
+    assert message.startswith("interrupted by SIGTERM: the output in") and "is complete and kept" in message, message
+    assert f"run `hfcompress push {output_dir} {repo}` to push it" in message and "nothing was written" not in message
+    assert remote_files(local_hub, repo) == set()
+    assert {p.name: p.read_bytes() for p in output_dir.iterdir()} == before
+
+
 # -------------------------------------------------------------------------------- forced push, no token leaked
 def test_forced_push_card_and_no_token_anywhere(warm, local_hub, tmp_path):
     """A real process: every line it logs, every file it writes, and what it pushes is free of the token."""
@@ -558,7 +876,7 @@ def test_forced_push_card_and_no_token_anywhere(warm, local_hub, tmp_path):
     local_hub.inject_fault("POST", f"/api/models/{repo}/commit/", "echo-auth:503")  # retried; logs it
     proc = subprocess.run(
         [sys.executable, "-m", "hfcompress.cli", "convert", str(tiny), "--out", str(out), "--push-to", repo,
-         "--max-ppl-increase", "-100", "--force", "--no-back-off", *FAST],
+         "--max-ppl-increase", "0", "--force", "--no-back-off", *FAST],  # any increase fails the gate
         env=env, capture_output=True, text=True,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

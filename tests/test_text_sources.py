@@ -380,18 +380,20 @@ main()
 @pytest.mark.skipif(wiki_file() is None, reason="gensim (three of the mixture's domains) is not installed")
 @pytest.mark.slow  # a full convert + eval of the tiny model in subprocesses: ~60 s on 2 cores
 def test_convert_and_eval_use_the_online_mixture_when_the_hub_answers(c4_hub, hub_env, tiny_llama_dir, tmp_path):
-    """A conversion with the defaults, online: calibrated on the six-domain mixture, gated on its held-out parts and on
-    numpy-docs; the report and the card name the mixture and its Hub datasets (not in the model-index: the mixture's
-    held-out text is no Hub split); `eval` scores the same tokens."""
+    """A conversion of a Hub source with the defaults, online: calibrated on the six-domain mixture, gated on its
+    held-out parts and on numpy-docs; the report and the card name the mixture and its Hub datasets (not in the
+    model-index: the mixture's held-out text is no Hub split); `eval` scores the same tokens. (A local source's "auto"
+    never asks the Hub: tests/test_offline_run.py.)"""
     import yaml
 
     hub, wikitext_sha, c4_sha, _ = c4_hub
+    hub.upload_files("test-user/tiny", {p.name: p.read_bytes() for p in tiny_llama_dir.iterdir()})
     env = {**hub_env, "HFCOMPRESS_CACHE": str(tmp_path / "cache"), "COLUMNS": "400"}
     out = tmp_path / "out"
     run_cli = lambda args: subprocess.run(  # noqa: E731
         [sys.executable, "-c", CLI_WITH_SMALL_ONLINE_MIXTURE, *args], env=env, capture_output=True, text=True
     )
-    proc = run_cli(["convert", str(tiny_llama_dir), "--out", str(out), *FAST])
+    proc = run_cli(["convert", "test-user/tiny", "--out", str(out), *FAST])
     assert proc.returncode == 0, proc.stderr[-3000:]
     names = [*OFFLINE_DOMAINS, f"wikitext-2 @{wikitext_sha[:8]}", f"c4 @{c4_sha[:8]}"]
     mixture = f"mixture of {', '.join(names)} (equal shares of 512-token blocks)"

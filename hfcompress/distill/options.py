@@ -12,6 +12,10 @@ DEFAULT_TOKENS = 16_384  # when --distill-tokens is not given and the whole mode
 # where the training windows come from: the calibration text, text the original model samples itself, or both
 DISTILL_DATA = ("calibration", "generated", "mixed")
 CURVE_FIRST_POINT = 16_384  # curve points at 0, 16k, 64k, 256k, ... tokens (x4) and at the budget
+# the stage draws every window's offset up front (8 bytes a window): 10**12 tokens would need 16 GB of them before the
+# first step (an out-of-memory failure); 10**10 keeps them at 160 MB (512-token windows) and is more than a day of
+# training even at 100k tokens/s
+MAX_TOKENS = 10**10
 
 
 def launched_processes() -> int:
@@ -76,6 +80,11 @@ class DistillOptions:
         """Every range, enum and combination of the --distill-* options (one HfcompressError naming the first bad one)."""
         if self.tokens is not None:
             at_least(self.tokens, 0, "--distill-tokens")
+            if self.tokens > MAX_TOKENS:
+                raise HfcompressError(
+                    f"--distill-tokens {self.tokens} is more than one process can train on (at most {MAX_TOKENS:,}): "
+                    f"give --distill-tokens {MAX_TOKENS} or less."
+                )
         at_least(self.seq_len, 16, "--distill-seq-len")
         at_least(self.batch_size, 1, "--distill-batch-size")
         at_least(self.lora_rank, 0, "--distill-lora-rank")

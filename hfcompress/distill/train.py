@@ -32,7 +32,8 @@ from .options import DistillOptions
 
 LORA_TARGETS = ("v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # dense linears every layer keeps
 CHECKPOINT_SECONDS = 120.0  # save the training state this often (and at every curve point)
-KL_LOG_EVERY = 16_384  # tokens per averaged point of the KL curve
+KL_LOG_EVERY = 16_384  # tokens per averaged point of the KL curve, at most (a long run)
+KL_MIN_POINTS = 32  # a shorter run logs more often, down to every step: its plot shows the losses it trained on
 
 
 def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -130,6 +131,7 @@ def distill(student: nn.Module, teacher: nn.Module, data: DistillData, options: 
     student.train()
     teacher.eval()
     started, kl_sum, kl_count = time.perf_counter(), 0.0, 0
+    log_every = max(1, min(KL_LOG_EVERY // tokens_per_step, steps // KL_MIN_POINTS))  # steps per KL curve point
     seconds_before = record["seconds"]
     if step == 0:
         measure(0)
@@ -152,7 +154,7 @@ def distill(student: nn.Module, teacher: nn.Module, data: DistillData, options: 
             step += 1
             kl_sum, kl_count = kl_sum + loss.item(), kl_count + 1
             tokens = step * tokens_per_step
-            if tokens % KL_LOG_EVERY < tokens_per_step or step == steps:
+            if step % log_every == 0 or step == steps:
                 record["kl"].append({"tokens": tokens, "kl": kl_sum / kl_count})
                 kl_sum, kl_count = 0.0, 0
             elapsed = time.perf_counter() - started

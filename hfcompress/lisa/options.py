@@ -82,6 +82,11 @@ class LisaOptions:
             raise HfcompressError(f"--lisa-ppl-budget must be a percentage > 0, got {self.ppl_budget}.")
         if self.align not in ALIGN_KINDS:
             raise HfcompressError(f"Unknown --lisa-align '{self.align}': choose one of {', '.join(ALIGN_KINDS)}.")
+        if self.group_heads and self.align != "sparse":  # the fit would ignore it
+            raise HfcompressError(
+                f"--lisa-group-heads matches heads for sparse Align, and --lisa-align is {self.align}: drop "
+                "--lisa-group-heads or use --lisa-align sparse."
+            )
         if self.lowrank_keys not in LOWRANK_KEYS:
             raise HfcompressError(f"Unknown --lisa-lowrank-keys '{self.lowrank_keys}': choose one of {', '.join(LOWRANK_KEYS)}.")
         at_least(self.protect_first, 0, "--protect-first")
@@ -94,6 +99,7 @@ class LisaOptions:
             )
         if self.drop_layers is not None and any(layer < 1 for layer in self.drop_layers):
             raise HfcompressError(f"--drop-attention-layers {self.drop_layers}: layer 0 keeps its attention; give layers >= 1.")
+        self.check_explicit_layers()
         if self.max_chain is not None:
             at_least(self.max_chain, 1, "--lisa-max-chain")
             if self.layers is not None:
@@ -104,6 +110,26 @@ class LisaOptions:
         if not self.qk_compression > 1.0:
             raise HfcompressError(f"--qk-compression must be > 1 (how many times smaller Q/K get), got {self.qk_compression}.")
         return self
+
+    def check_explicit_layers(self) -> None:
+        """Contradictions among the layers named outright (--lisa-layers, --drop-attention-layers, --protect-first),
+        which need no model: a shared layer reads the attention of the layer below, so neither may be dropped."""
+        shared, dropped = sorted(set(self.layers or [])), set(self.drop_layers or [])
+        if both := [layer for layer in shared if layer in dropped]:
+            raise HfcompressError(
+                f"--lisa-layers and --drop-attention-layers both name layer {both[0]}: a layer is either shared or has "
+                "its attention dropped, so name it in one of them."
+            )
+        if above := [layer for layer in shared if layer - 1 in dropped]:
+            raise HfcompressError(
+                f"--lisa-layers {above[0]} cannot be shared: it reads the attention of layer {above[0] - 1} below it, "
+                f"which --drop-attention-layers drops; share another layer or keep layer {above[0] - 1}'s attention."
+            )
+        if protected := [layer for layer in shared if layer < self.protect_first]:
+            raise HfcompressError(
+                f"--lisa-layers {protected[0]} is among the {self.protect_first} shallow layers --protect-first keeps "
+                f"unshared: give --protect-first {protected[0]} or less, or share deeper layers."
+            )
 
     def check_against_model(self, config) -> None:
         """What needs the model (`config`: the family's converted view, with attention types per layer and head_dim):
@@ -121,7 +147,14 @@ class LisaOptions:
                     f"--share-ratio {self.ratio} asks for {count} changed layers but only {eligible} are outside the "
                     f"{self.protect_first} protected shallow layers and --drop-attention-layers: lower --share-ratio."
                 )
-        elif self.ppl_budget is None:
+        elif self.ppl_budget is not None:
+            # a share plan changes only layers of the attention type of the layer below; a drop plan any layer
+            if not any(layer >= max(1, self.protect_first) and (ok or self.plan != "share") for layer, ok in shareable.items()):
+                raise HfcompressError(
+                    f"--lisa-ppl-budget has no layer to search: the model's {layers} layers are all protected "
+                    f"(--protect-first {self.protect_first}) or follow another attention type; lower --protect-first."
+                )
+        else:
             count = round(self.ratio * layers)
             eligible = [layer for layer, ok in shareable.items() if ok and layer >= max(1, self.protect_first)]
             candidates = len(eligible) if self.max_chain is None else most_with_max_chain(eligible, self.max_chain)

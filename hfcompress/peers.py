@@ -5,11 +5,14 @@ At the conversion's own KV saving (the KV values a token its layers cache, again
   attention changes the residual stream least, BI = 1 - cos(h, h + attn(h)), is removed;
 - layer drop (ShortGPT): the k whole layers of lowest BI = 1 - cos(layer input, layer output) are removed;
 - the original with a 4-bit KV cache (transformers' QuantizedCache, quanto backend, its defaults: groups of 64 values,
-  the last 128 tokens kept in full precision), where optimum-quanto is installed.
+  the last 128 tokens kept in full precision), where optimum-quanto is installed;
+- PCA of the keys (Palu-style, no training): every layer's pre-RoPE keys projected on their top principal directions
+  (hfcompress.keys, criterion `pca`, layout `pre`), one width for all layers, the widest that saves at least the
+  conversion's KV values a token; a cache of the latent would hold that width instead of the keys.
 k is the fewest layers that save at least the conversion's KV values a token, and, where it saves less, one fewer.
 The original runs in transformers' own classes; a removed block is a forward hook (its output zeroed, or the layer's
-input passed through), so every peer is exactly that model, nothing approximated. Block influence is measured on the
-first calibration sequences, as ShortGPT does.
+input passed through), and so are the projected keys, so every peer is exactly that model, nothing approximated. Block
+influence and the keys' principal directions are measured on the first calibration sequences, as ShortGPT does.
 
 A peer dominates the conversion when it saves at least as much KV cache and its perplexity is no higher on every gated
 text; the pipeline says so on the console and in the card instead of presenting a dominated model as a result.
@@ -30,6 +33,7 @@ from accelerate import init_empty_weights
 
 from .build import assemble, converted_config
 from .families import family_of
+from .keys import KeySubspace, key_statistics, projected_keys
 from .layer_plan import kv_values
 from .progress import console, progress_bar
 from .validate import perplexity
@@ -43,7 +47,7 @@ KV_BYTES_TOKENS = 256  # the prefill the quantized cache's bytes a token are cou
 @dataclass
 class Peer:
     name: str
-    kind: str  # original | conversion | attention-drop | layer-drop | kv-quantized
+    kind: str  # original | conversion | attention-drop | layer-drop | kv-quantized | key-pca
     kv_ratio: float  # KV cache bytes a token, relative to the original's
     perplexity: dict[str, float]  # gated text -> perplexity
     layers: list[int] = field(default_factory=list)  # the layers it removes (attention or whole)
@@ -184,6 +188,24 @@ def fewest_layers_saving(saved: int, per_layer: int) -> list[int]:
     return sorted({ceil, floor} - {0})
 
 
+def pca_key_width(config, saved: int) -> int | None:
+    """The key width every layer keeps in the PCA-of-keys peer: the widest that saves at least `saved` values a token
+    (None where even no key at all would not)."""
+    full = config.num_key_value_heads * head_dim(config)
+    width = full - math.ceil(saved / config.num_hidden_layers)
+    return width if saved > 0 and width > 0 else None
+
+
+def pca_key_projectors(original: nn.Module, sequences: torch.Tensor, width: int) -> dict[int, torch.Tensor]:
+    """Layer -> the projector on its keys' top `width` principal directions (pre-RoPE, all KV heads together)."""
+    stats = key_statistics(original, sequences.to(original.device))
+    dim = head_dim(original.config)
+    return {
+        index: KeySubspace(entry, layer.self_attn.k_proj.weight, "pca", "pre", dim).projector(width).to(original.device)
+        for index, (entry, layer) in enumerate(zip(stats, original.model.layers))
+    }
+
+
 def kv_peer_unavailable(config) -> str | None:
     """Why the 4-bit KV cache peer cannot run on a model of `config` here (None: it can)."""
     try:
@@ -230,6 +252,14 @@ def compute_peers(
                 values = scored(f"{kind} {k}")
             what = ("attention block" if kind == "attention-drop" else "layer") + ("s" if k > 1 else "")
             peers.append(Peer(f"drop {k} {what} (ShortGPT BI)", kind, (kept - k * per_layer) / kept, values, layers, round(time.perf_counter() - start + influence_seconds, 1)))
+    key_width = pca_key_width(config, saved)
+    if key_width is not None:
+        start = time.perf_counter()
+        with projected_keys(original, pca_key_projectors(original, sequences[:INFLUENCE_SEQUENCES], key_width)):
+            values = scored(f"keys PCA {key_width}")
+        full = config.num_key_value_heads * head_dim(config)
+        ratio = (kept - config.num_hidden_layers * (full - key_width)) / kept
+        peers.append(Peer(f"keys on {key_width} of {full} principal directions (PCA)", "key-pca", ratio, values, [], round(time.perf_counter() - start, 1)))
     skipped = kv_peer_unavailable(original.config)
     if skipped is None:
         start = time.perf_counter()
@@ -313,17 +343,18 @@ def perplexities_on(peer: dict, texts: list[dict]) -> list[float]:
     return [peer["perplexity"].get(text["eval_text"], values[i]) for i, text in enumerate(texts)]
 
 
-DROP_KINDS = ("attention-drop", "layer-drop")  # the training-free peers a conversion must beat at its own saving
+RIVAL_KINDS = ("attention-drop", "layer-drop", "key-pca")  # the training-free peers a conversion must beat at its own saving
 
 
 def dominating(section: dict, converted: dict[str, float]) -> list[dict]:
-    """The dropping peers that save at least the conversion's KV cache with a perplexity no higher on every gated text.
+    """The training-free rivals (dropping, PCA of the keys) that save at least the conversion's KV cache with a
+    perplexity no higher on every gated text.
     (A quantized KV cache is not a rival but a partner: it stacks with the conversion's saving.)"""
     values = section["kv_values_per_token"]
     own_ratio = values["converted"] / values["original"]
     return [
         peer for peer in section["peers"]
-        if peer["kind"] in DROP_KINDS and peer["kv_ratio"] <= own_ratio + 1e-9
+        if peer["kind"] in RIVAL_KINDS and peer["kv_ratio"] <= own_ratio + 1e-9
         and all(peer["perplexity"][t] <= converted[t] for t in converted)
     ]  # fmt: skip
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 
@@ -15,6 +16,7 @@ from typer.testing import CliRunner
 from hfcompress.build import converted_config
 from hfcompress.cli import app
 from hfcompress.families import family_of
+from hfcompress.keys import projected_keys
 from hfcompress.layer_plan import Action, kv_values, largest_within, plan_sequence, ranked_actions, take
 from hfcompress.lisa import LayerSimilarity
 from hfcompress.peers import (
@@ -24,6 +26,8 @@ from hfcompress.peers import (
     dominating,
     fewest_layers_saving,
     kv_values_per_token,
+    pca_key_projectors,
+    pca_key_width,
     quantized_cache_perplexity,
     removed,
     speed_peers,
@@ -192,14 +196,37 @@ def test_fewest_layers_bracket_the_saving():
     assert fewest_layers_saving(0, 384) == []
 
 
+def test_key_pca_peer_is_the_original_with_its_keys_projected():
+    """Two implementations of one model: hooks on the keys, and k_proj's weights replaced by P W_K."""
+    torch.manual_seed(0)
+    original = LlamaForCausalLM(tiny_config(vocab_size=128)).eval()
+    config = original.config  # 4 layers, 2 KV heads x 16: keys of 32 values a layer
+    full = config.num_key_value_heads * config.head_dim
+    assert pca_key_width(config, 4 * 10) == full - 10 and pca_key_width(config, 4 * 10 + 1) == full - 11
+    assert pca_key_width(config, 0) is None and pca_key_width(config, 4 * full) is None
+    ids = torch.randint(0, 128, (4, 24))
+    projectors = pca_key_projectors(original, ids, 8)
+    assert all(torch.linalg.matrix_rank(p).item() == 8 for p in projectors.values())
+    with torch.no_grad():
+        reference = original(ids).logits
+        with projected_keys(original, projectors):
+            hooked = original(ids).logits
+        folded = copy.deepcopy(original)
+        for layer, p in zip(folded.model.layers, projectors.values()):
+            layer.self_attn.k_proj.weight.copy_(p.float() @ layer.self_attn.k_proj.weight)
+        assert torch.allclose(hooked, folded(ids).logits, atol=1e-5)
+        assert not torch.allclose(hooked, reference, atol=1e-3)
+
+
 def test_a_peer_dominates_only_with_at_least_the_saving_and_no_worse_perplexity_on_every_text():
     section = {"kv_values_per_token": {"original": 400, "converted": 300}, "peers": [
         {"name": "a", "kind": "attention-drop", "kv_ratio": 0.5, "perplexity": {"x": 9.0, "y": 9.0}},
         {"name": "b", "kind": "attention-drop", "kv_ratio": 0.9, "perplexity": {"x": 1.0, "y": 1.0}},  # saves less
         {"name": "c", "kind": "layer-drop", "kv_ratio": 0.5, "perplexity": {"x": 9.0, "y": 11.0}},  # worse on y
         {"name": "d", "kind": "kv-quantized", "kv_ratio": 0.2, "perplexity": {"x": 1.0, "y": 1.0}},  # a partner
+        {"name": "e", "kind": "key-pca", "kv_ratio": 0.75, "perplexity": {"x": 10.0, "y": 9.5}},
     ]}  # fmt: skip
-    assert [p["name"] for p in dominating(section, {"x": 10.0, "y": 10.0})] == ["a"]
+    assert [p["name"] for p in dominating(section, {"x": 10.0, "y": 10.0})] == ["a", "e"]
 
 
 runner = CliRunner()
@@ -222,12 +249,12 @@ def test_convert_drops_shares_and_reports_its_peers(tiny_llama_dir, tmp_path, mo
     peers = report["peers"]
     assert peers["kv_values_per_token"]["converted"] < peers["kv_values_per_token"]["original"]
     kinds = {p["kind"] for p in peers["peers"]}
-    assert {"attention-drop", "layer-drop"} <= kinds
+    assert {"attention-drop", "layer-drop", "key-pca"} <= kinds
     for peer in peers["peers"]:
         assert set(peer["perplexity"]) == {t["eval_text"] for t in report["validation"]["texts"]}
     # the speed run timed the dropping peers that save at least as much KV cache, beside the original
     timed = report["speed"]["peers"]
-    could_dominate = [p["name"] for p in peers["peers"] if p["kind"] != "kv-quantized"
+    could_dominate = [p["name"] for p in peers["peers"] if p["kind"] in ("attention-drop", "layer-drop")
                       and p["kv_ratio"] <= peers["kv_values_per_token"]["converted"] / peers["kv_values_per_token"]["original"] + 1e-9]
     assert could_dominate and set(could_dominate) <= set(timed)
     card = (out / "README.md").read_text()

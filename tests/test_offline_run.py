@@ -32,6 +32,7 @@ class RecordingEndpoint:
             conn.close()
 
 
+@pytest.mark.slow  # a real conversion or CLI process: the fast tier stays under 5 minutes
 @pytest.mark.own_local_hub  # online: HF_HUB_OFFLINE would hide the probe this test is about
 def test_a_local_source_with_auto_texts_makes_no_connection(tiny_llama_dir, tmp_path):
     endpoint = RecordingEndpoint()

@@ -469,6 +469,7 @@ def one_sentence(stderr: str) -> str:
     return " ".join(stderr[stderr.index(errors[0]) :].split())
 
 
+@pytest.mark.slow  # a real conversion or CLI process: the fast tier stays under 5 minutes
 def test_overwrite_keeps_the_users_files_and_replaces_the_earlier_run(warm, tmp_path, monkeypatch):
     """--overwrite replaces what the earlier run wrote (its report lists it) and keeps what the user put in the
     output: a directory of evaluation runs, notes. A stale shard of the earlier run does not survive."""
@@ -531,6 +532,7 @@ def test_public_paths():
     assert without_local_paths({"a": [text]}) == {"a": ["corpus.txt, first 75%; 12 tokens/s, 1/4, https://huggingface.co/me/model, (y.txt)"]}
 
 
+@pytest.mark.slow  # a real conversion or CLI process: the fast tier stays under 5 minutes
 def test_no_absolute_local_path_in_the_output(warm, tmp_path, tmp_path_factory):
     """Every file of the output (what `push` uploads) is free of the local directories: the source's, the output's,
     the cache's, a text file's, this checkout's, the home directory. A real process, so the command line is real."""
@@ -565,6 +567,7 @@ def wide_vocabulary(tmp_path_factory) -> Path:
 @pytest.mark.parametrize(
     "limit_kb, where", [(700, "rest.safetensors"), (1200, "model.safetensors")], ids=["cache-safetensors", "output-shard"]
 )
+@pytest.mark.slow  # a real conversion or CLI process: the fast tier stays under 5 minutes
 def test_file_size_limit_while_writing_weights(wide_vocabulary, tmp_path, limit_kb, where):
     """A real file size limit (RLIMIT_FSIZE, as a full disk) reached by safetensors' writer in the cache (it raised
     SafetensorError, a traceback and exit 1) or by the output's shard: one sentence, exit 5, the earlier output and
@@ -630,6 +633,7 @@ def write_llama_gguf(source: Path, dest: Path) -> Path:
     return dest
 
 
+@pytest.mark.slow  # a real conversion or CLI process: the fast tier stays under 5 minutes
 def test_file_size_limit_while_dequantising_a_gguf(wide_vocabulary, tmp_path):
     """The GGUF's one-time float32 copy in the cache meets a real file size limit at its first part (the 512 KB
     embeddings): one sentence, exit 5 (it was SafetensorError, a traceback, and the half-written copy stayed)."""
@@ -650,6 +654,7 @@ def wait_for(condition, timeout: float = 300) -> None:
         time.sleep(0.02)
 
 
+@pytest.mark.slow  # a real conversion or CLI process: the fast tier stays under 5 minutes
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_termination_signal_is_handled_like_ctrl_c(warm, tmp_path, signum):
     """What `timeout`, systemd and job schedulers send, while the output is being written (its partial directory
@@ -671,6 +676,7 @@ def test_termination_signal_is_handled_like_ctrl_c(warm, tmp_path, signum):
     assert list(cache.rglob("hidden-*.pt"))
 
 
+@pytest.mark.slow  # a real conversion or CLI process: the fast tier stays under 5 minutes
 def test_killed_run_leftovers_are_removed_by_the_next_run(warm, tmp_path, monkeypatch):
     """SIGKILL cannot be handled: its partial output directory stays, until the next run into the same --out removes
     it. A partial directory of a run that is still alive is left alone."""
@@ -838,6 +844,7 @@ def test_push_uploads_only_what_hfcompress_wrote(hub_inprocess, output_dir):
         assert "leaving out 2 files that hfcompress did not write (NOTES.md, my_eval_runs/run-1/results.json)" in said
 
 
+@pytest.mark.slow  # a real conversion or CLI process: the fast tier stays under 5 minutes
 def test_push_interrupted_by_sigterm_says_the_output_is_complete(local_hub, hub_env, output_dir):
     """SIGTERM while the commit is in flight: not "nothing was written" but the complete output and the command that
     pushes it; exit 143, nothing half-pushed, the output untouched."""

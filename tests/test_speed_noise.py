@@ -137,6 +137,7 @@ def test_the_card_leaves_untrusted_peer_speed_out():
     assert view["untrusted_speed"] is None and [row["decode"] for row in view["rows"]] == [1.0, 0.66]
 
 
+@pytest.mark.slow  # a real conversion or CLI process: the fast tier stays under 5 minutes
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="pins processes to one core (Linux)")
 def test_a_conversion_on_a_busy_core_says_its_speed_was_not_trusted(tiny_llama_dir, tmp_path):
     """Two processes spin on the one core the conversion may use while it runs: the timed thread gets about a third

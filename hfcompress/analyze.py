@@ -5,6 +5,7 @@ cache, so a later `convert` of the same model and text resumes from them.
 """
 
 import json
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -18,12 +19,15 @@ from .passes import calibrate
 from .plots import similarity_heatmap
 from .progress import console
 from .run import Run
+from .source import is_local_source
+from .text import local_source_texts
 
 
 def analyze(options: ConvertOptions, plot: Path, json_path: Path | None) -> dict:
     lisa = LisaMethod.from_options(options)
     methods = [lisa] + ([FascMethod.from_options(options)] if options.fasc.budget < 1.0 else [])
-    run = Run.open(options, methods)
+    with local_source_texts() if is_local_source(options.source) else nullcontext():  # a local source stays offline
+        run = Run.open(options, methods)
     calibrate(run, methods)
     lisa.plan(Planner(run.stream.config, run.stream.num_layers))
     similarity, chosen = lisa.similarity, lisa.chosen

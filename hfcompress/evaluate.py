@@ -1,6 +1,7 @@
 """`hfcompress eval`: perplexity, factual probe, speed and lm-eval tasks of a converted model, beside a baseline."""
 
 import json
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -13,9 +14,11 @@ from .harness import LmEvalOptions, run_lm_eval
 from .probe import run_probe
 from .progress import console
 from .report import REPORT_FILE
-from .source import BUILTIN_SOURCE, ResolvedSource, _first_line, read_json_object, load_source, looks_like_repo_id, resolve_source
+from .source import (
+    BUILTIN_SOURCE, ResolvedSource, _first_line, is_local_source, load_source, looks_like_repo_id, read_json_object, resolve_source,
+)  # fmt: skip
 from .speed import compare_speed
-from .text import check_text_option, evaluation_ids, load_text, other_domain_ids, window_prefix
+from .text import check_text_option, evaluation_ids, load_text, local_source_texts, other_domain_ids, window_prefix
 from .validate import perplexity
 
 
@@ -88,6 +91,10 @@ def evaluate(
     kv_cache_dtype: str | None = None,
 ) -> dict:
     models = {}
+    if context < 2 or (stride is not None and not 0 < stride <= context):  # less a BOS: checked once the tokenizer loads
+        raise HfcompressError(
+            f"--context must be at least 2 tokens and --stride in 1..--context, got --context {context} --stride {stride}."
+        )
     if kv_cache_dtype is not None and engine != "vllm":  # the transformers path has no such cache option
         raise HfcompressError(f"--kv-cache-dtype {kv_cache_dtype} sets vLLM's KV cache: use it with --engine vllm.")
     check_model_argument(model_name, trust_remote_code)  # a missing or plain directory: before anything loads
@@ -113,10 +120,12 @@ def evaluate(
     if baseline_source is not None:
         models["baseline"], baseline_tokenizer = load_source(baseline_source)
     models["model"] = converted
-    ids, text_name = evaluation_ids(tokenizer, load_text(eval_text, "evaluation"))
+    local = is_local_source(model_name) and (baseline is None or is_local_source(baseline))
+    with local_source_texts() if local else nullcontext():  # local models only: "auto" texts stay offline
+        ids, text_name = evaluation_ids(tokenizer, load_text(eval_text, "evaluation"))
+        calibration = saved_report["calibration"]["text"] if saved_report else ""
+        other = other_domain_ids(tokenizer, ood_text, calibration)
     prefix = window_prefix(tokenizer)  # the windows convert scored: [BOS] first where the tokenizer adds one
-    calibration = saved_report["calibration"]["text"] if saved_report else ""
-    other = other_domain_ids(tokenizer, ood_text, calibration)
     result: dict = {"eval_text": text_name, "other_domain_text": other[1] if other else None, "models": {}}
     for name, model in models.items():
         if name == "model" and engine == "vllm":  # the served model's prompt log-probs (hfcompress.vllm_engine)

@@ -38,13 +38,13 @@ from .memory import return_freed_memory
 from .methods import Finisher, Method
 from .output import save_rest, write_output
 from .passes import Converted, calibrate, convert_layers, plan
-from .preflight import check_distill_context, check_output, check_push_target, check_run_disk, output_lock
+from .preflight import check_distill_context, check_distill_text, check_output, check_push_target, check_run_disk, output_lock
 from .progress import console, heartbeat
 from .push import push_folder, require_token
 from .registry import build_methods
 from .report import Report, build_report
 from .run import Run, Steps
-from .source import BUILTIN_SOURCE
+from .source import is_local_source
 from .speed import speed_threads
 from .stream import Processes
 from .text import local_source_texts
@@ -114,11 +114,6 @@ def attempt(options: ConvertOptions, token: str | None, argv: list[str] | None, 
     return run, methods, whole, converted, results
 
 
-def is_local_source(source: str) -> bool:
-    """The built-in model or an existing path (source.resolve_source's order): nothing about it is on the Hub."""
-    return source == BUILTIN_SOURCE or Path(source).expanduser().exists()
-
-
 def log_plan(methods: list[Method]) -> None:
     """One console line per method with what its plan chose (its config entries: the layers it shares or drops, the
     ranks it keeps), before hours of converting them."""
@@ -185,10 +180,11 @@ def check_targets(options: ConvertOptions) -> tuple[str | None, Path]:
 
 def check_resources(run: Run, methods: list[Method], finishers: list[Finisher], out_dir: Path) -> WholeModelSteps:
     """Before calibration: free disk for what the run will still write, which whole-model steps fit in memory (one
-    asked for that does not fit is refused), the distillation's windows within the model's context."""
+    asked for that does not fit is refused), the distillation's windows within the model's context and the text."""
     check_run_disk(run, methods, out_dir)
     whole = WholeModelSteps.decide(run.options, run.checkpoint, finishers, run.device)
     check_distill_context(run.options, run.source_config)
+    check_distill_text(run.options, len(run.streams.calib_ids), len(run.streams.prefix))
     return whole
 
 

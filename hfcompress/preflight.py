@@ -23,6 +23,8 @@ The checks made before any model work, in the order they run (`CHECKED_OPTIONS` 
    low-rank rank); room in the cache for a GGUF's one-time dequantising.
 6. Disk (`check_run_disk`, before calibration): free space for what the run will still write into the calibration
    cache and the output, estimated from the model's shapes and the options; refused with the figures.
+7. The tokenised texts (`check_distill_text`, before calibration): a calibration text longer than one distillation
+   window, when distillation draws its windows from it.
 """
 
 import errno
@@ -70,7 +72,7 @@ CHECKED_OPTIONS = {
     "--fasc-targets": "1: linears FASC can factorise",
     "--fasc-rho-keep": "1: >= 0",
     "--distill-tokens": "1: 0..10**10, at least one step, something to train, one process; 6: the whole model fits",
-    "--distill-seq-len": "1: >= 16; 5: within the context",
+    "--distill-seq-len": "1: >= 16; 5: within the context; 7: within the calibration text",
     "--distill-batch-size": "1: >= 1",
     "--distill-lr": "1: > 0",
     "--distill-weight-lr": "1: > 0",
@@ -350,6 +352,17 @@ def check_distill_context(options, config) -> None:
         raise HfcompressError(
             f"--distill-seq-len {options.distill.seq_len} is longer than the model's context ({limit} tokens, "
             f"max_position_embeddings): give --distill-seq-len {limit} or less."
+        )
+
+
+def check_distill_text(options, text_tokens: int, prefix_tokens: int) -> None:
+    """Distillation windows drawn from the calibration text need a text longer than one window (distill/data.py
+    window_starts); from the tokenised texts, before calibration."""
+    window = options.distill.seq_len - prefix_tokens
+    if options.distill.tokens and options.distill.data != "generated" and text_tokens <= window:
+        raise HfcompressError(
+            f"The calibration text has {text_tokens} tokens, fewer than one distillation window of {window}: lower "
+            "--distill-seq-len or give a longer --calib-text."
         )
 
 

@@ -90,6 +90,11 @@ class ResolvedSource:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "config"}
 
 
+def is_local_source(source: str) -> bool:
+    """The built-in model or an existing path (resolve_source's order): nothing about it is on the Hub."""
+    return source == BUILTIN_SOURCE or Path(source).expanduser().exists()
+
+
 def source_identity(source: ResolvedSource) -> str:
     """Stable id of the source weights, for cache keys: the Hub commit, or the files' paths, sizes and mtimes."""
     if source.commit_sha:

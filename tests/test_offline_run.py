@@ -1,5 +1,5 @@
-"""A conversion of a local source with no Hub text named never touches the network: the "auto" texts are the offline
-mixture without a probe. The Hub endpoint is a local socket that records every connection made to it."""
+"""A conversion (and eval, analyze) of a local source with no Hub text named never touches the network: the "auto"
+texts are the offline mixture without a probe. The Hub endpoint is a local socket that records every connection made to it."""
 
 import socket
 import subprocess
@@ -46,8 +46,16 @@ def test_a_local_source_with_auto_texts_makes_no_connection(tiny_llama_dir, tmp_
             env={**subprocess_env(endpoint.url, tmp_path / "hf", token=None), "HFCOMPRESS_CACHE": str(tmp_path / "cache")},
             capture_output=True, text=True, timeout=600,
         )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        # the other commands on local models: eval of the output beside its original, analyze of the source
+        env = {**subprocess_env(endpoint.url, tmp_path / "hf", token=None), "HFCOMPRESS_CACHE": str(tmp_path / "cache")}
+        for args in (["eval", str(tmp_path / "out"), "--baseline", str(tiny_llama_dir), "--no-speed", "--no-probe",
+                      "--eval-tokens", "256", "--ood-text", "none"],
+                     ["analyze", str(tiny_llama_dir), "--plot", str(tmp_path / "similarity.png"), "--calib-sequences", "4",
+                      "--seq-len", "64"]):  # fmt: skip
+            other = subprocess.run([sys.executable, "-m", "hfcompress.cli", *args], env=env, capture_output=True, text=True, timeout=600)
+            assert other.returncode == 0, (args[0], other.stderr[-3000:])
     finally:
         endpoint.server.close()
-    assert proc.returncode == 0, proc.stderr[-3000:]
     assert endpoint.connections[seen:] == []
     assert f"(auto: {LOCAL_SOURCE_REASON})" in " ".join(proc.stderr.split())

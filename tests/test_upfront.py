@@ -253,3 +253,29 @@ def test_eval_of_a_plain_model_says_what_it_is(tiny_llama_dir, tmp_path):
     assert "--trust-remote-code" not in text
     _edit_json(tiny_llama_dir / "config.json", lambda c: {**c, "auto_map": {"AutoConfig": "x.Config"}})
     one_error(runner.invoke(app, ["eval", str(tiny_llama_dir)]), 2, "add --trust-remote-code to run the modeling code")
+
+
+@pytest.mark.parametrize("args", [["--context", "1"], ["--stride", "0"], ["--context", "64", "--stride", "65"]])
+def test_eval_windows_that_make_no_sense_are_refused_before_any_model_loads(tiny_llama_dir, tmp_path, args):
+    started = time.perf_counter()
+    result = runner.invoke(app, ["eval", str(tiny_llama_dir), "--no-speed", "--no-probe", *args])
+    assert result.exit_code == 2 and "--context must be at least 2 tokens and --stride in 1..--context" in " ".join(result.output.split())
+    assert time.perf_counter() - started < 20
+
+
+
+def test_a_calibration_text_shorter_than_a_distillation_window_is_refused():
+    """pipeline.check_resources runs it on the tokenised texts, before calibration (a text file is refused below a
+    few thousand words anyway, so the case is a long-context model with a long --distill-seq-len)."""
+    from hfcompress.config import ConvertOptions
+    from hfcompress.distill import DistillOptions
+    from hfcompress.errors import HfcompressError
+    from hfcompress.preflight import check_distill_text
+
+    options = ConvertOptions(source="x", out=Path("o"), distill=DistillOptions(tokens=4096, seq_len=8192))
+    with pytest.raises(HfcompressError, match="has 5000 tokens, fewer than one distillation window of 8191: lower --distill-seq-len"):
+        check_distill_text(options, 5000, 1)
+    check_distill_text(options, 9000, 1)
+    check_distill_text(ConvertOptions(source="x", out=Path("o"), distill=DistillOptions(tokens=0, seq_len=8192)), 5000, 1)
+    generated = ConvertOptions(source="x", out=Path("o"), distill=DistillOptions(tokens=4096, seq_len=8192, data="generated"))
+    check_distill_text(generated, 5000, 1)  # windows the teacher writes: no text needed

@@ -17,7 +17,8 @@ The checks made before any model work, in the order they run (`CHECKED_OPTIONS` 
    `--push-to` (read-only requests: whoami).
 4. The source's small files, as it is resolved (source.py): config.json, the tokenizer's JSON files and the weight
    index read as JSON objects, config fields of the right type, the index's shards present.
-5. The source's config against the options (`check_source`, before its weights are read or a GGUF dequantised):
+5. The source's config against the options (`check_config`: a Hub source's before its weights are downloaded;
+   `check_source`: every source's before its weights are read or a GGUF dequantised):
    sequence lengths within the model's context (`check_model`, `check_distill_context`); the plan against the model's
    layers (`ConvertOptions.check_against_model`: layer numbers in range, attention types, what a ratio can reach, the
    low-rank rank); room in the cache for a GGUF's one-time dequantising.
@@ -425,6 +426,14 @@ def source_config(source, cache_dir: Path):
     return source.config
 
 
+def check_config(options, config) -> None:
+    """The options against the model's transformers `config`: sequence lengths within its context, the plan against
+    its layers. A Hub source gets it before its weights are downloaded (source.resolve_source's `check_config`)."""
+    check_model(options, config)
+    check_distill_context(options, config)
+    options.check_against_model(config)
+
+
 def check_source(options, source) -> None:
     """Stage 5: right after the source is resolved, before its weights are read or a GGUF is dequantised: sequence
     lengths within its context, the plan against its layers, and room in the cache for a GGUF's dequantising."""
@@ -432,10 +441,7 @@ def check_source(options, source) -> None:
 
     from .progress import console
 
-    config = source_config(source, options.cache_dir)
-    check_model(options, config)
-    check_distill_context(options, config)
-    options.check_against_model(config)
+    check_config(options, source_config(source, options.cache_dir))
     if source.gguf_file:
         cached = gguf_cache_dir(source, options.cache_dir)
         if (cached / "config.json").is_file():

@@ -9,6 +9,7 @@ import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -19,7 +20,7 @@ from .config import OUTPUT_DTYPES, ConvertOptions, resolve_device
 from .errors import HfcompressError
 from .memory import peak_memory
 from .methods import LayerContext, Method
-from .preflight import check_source
+from .preflight import check_config, check_source
 from .progress import console
 from .report import public_command
 from .source import ResolvedSource, load_tokenizer, resolve_source, source_identity
@@ -84,7 +85,9 @@ class Run:
         `argv` is the command's arguments (None: this process's); `steps` the log the caller timed the opening in."""
         processes = Processes()
         device = resolve_device(options.device, processes.state.local_process_index)
-        source = resolve_source(options.source, options.revision, token, options.trust_remote_code)
+        source = resolve_source(
+            options.source, options.revision, token, options.trust_remote_code, partial(check_config, options)
+        )
         check_source(options, source)  # sequence lengths vs. the context, disk for a GGUF's dequantising: before both
         tokenizer = load_tokenizer(source)
         checkpoint, source_config = open_checkpoint(source, options.cache_dir)

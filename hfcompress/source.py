@@ -22,8 +22,10 @@ import math
 import os
 import struct
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 import httpx2  # huggingface_hub's HTTP client library: its TransportError is "no network"
 import torch
@@ -32,6 +34,8 @@ from .errors import WRITE_FAILED_EXIT, HfcompressError
 from .families import FAMILIES, SUPPORTED_GGUF_ARCHITECTURES, SUPPORTED_MODEL_TYPES, Family, family_for, supported
 from .hub import configure_http, describe, http_timeout, status_code, with_retries
 from .progress import console
+
+ConfigCheck = Callable[[Any], None]  # raises HfcompressError when the options do not fit the model
 
 BUILTIN_SOURCE = "smollm2-135m-instruct"
 BUILTIN_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -448,7 +452,9 @@ def _resolve_gguf(path: Path, name: str) -> ResolvedSource:
     return ResolvedSource(kind="gguf", name=name, path=str(path.parent), gguf_file=path.name, family=family.name, config=config)
 
 
-def _resolve_hub(repo_id: str, revision: str | None, token: str | None, trust_remote_code: bool) -> ResolvedSource:
+def _resolve_hub(
+    repo_id: str, revision: str | None, token: str | None, trust_remote_code: bool, check_config: ConfigCheck | None
+) -> ResolvedSource:  # fmt: skip
     from huggingface_hub import HfApi, constants, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -483,6 +489,8 @@ def _resolve_hub(repo_id: str, revision: str | None, token: str | None, trust_re
             else {}
         )
         custom, family = _check_architecture(config, tokenizer_config, where, trust_remote_code)
+        if check_config is not None:  # the options against the model before any weight is downloaded
+            check_config(family.transformers_classes()[0].from_dict(config))
         if not any(f.endswith(".safetensors") for f in files):
             raise HfcompressError(f"{where} has no *.safetensors weights; hfcompress does not load pickles.")
         _require_tokenizer(files, where)
@@ -568,9 +576,11 @@ def looks_like_repo_id(source: str) -> bool:
 
 
 def resolve_source(
-    source: str, revision: str | None = None, token: str | None = None, trust_remote_code: bool = False
-) -> ResolvedSource:
-    """Turn what the user typed into local files, downloading only what a checkpoint needs."""
+    source: str, revision: str | None = None, token: str | None = None, trust_remote_code: bool = False,
+    check_config: ConfigCheck | None = None,
+) -> ResolvedSource:  # fmt: skip
+    """Turn what the user typed into local files, downloading only what a checkpoint needs. A Hub source's config is
+    handed to `check_config` (transformers' config of its family) before its weights are downloaded."""
     from huggingface_hub import constants
 
     if source == BUILTIN_SOURCE:
@@ -589,7 +599,7 @@ def resolve_source(
     if looks_like_repo_id(source):
         if constants.HF_HUB_OFFLINE:
             return _resolve_hub_offline(source, revision, trust_remote_code)
-        return _resolve_hub(source, revision, token, trust_remote_code)
+        return _resolve_hub(source, revision, token, trust_remote_code, check_config)
     raise HfcompressError(
         f"'{source}' is neither an existing path nor a Hub id like 'user/model' "
         f"(use '{BUILTIN_SOURCE}' for the built-in model)."

@@ -101,6 +101,17 @@ def test_a_hub_source_with_a_broken_index_downloads_no_weights(tiny_llama_dir, h
     ]
 
 
+def test_a_hub_source_whose_plan_does_not_fit_downloads_no_weights(tiny_llama_dir, hub_inprocess, tmp_path, cache):
+    """The options are checked against the Hub source's config.json before its weights are downloaded."""
+    repo = f"{HUB_USER}/plan-check"
+    hub_inprocess.upload_files(repo, {p.name: p.read_bytes() for p in tiny_llama_dir.iterdir()})
+    out = tmp_path / "o"
+    refused_before_work(["convert", repo, "--out", str(out), *FAST[: FAST.index("--protect-first")], "--no-probe",
+                         "--no-speed", "--no-peers", "--calib-text", "builtin", "--lisa-layers", "2,7"], cache, out, 2,
+                        "--lisa-layers [7] are out of range")  # fmt: skip
+    assert not [r for r in hub_inprocess.requests if r.path.endswith(".safetensors")]
+
+
 # ---------------------------------------------------------------------------------- item 2: the options up front
 PLAN_BASE = FAST[: FAST.index("--protect-first")] + ["--no-probe", "--no-speed", "--no-peers", "--calib-text", "builtin"]
 PLAN_CASES = [

@@ -119,7 +119,8 @@ def atomic_directory(out: Path, write: Callable[[Path], None], keep: Callable[[P
 
 
 def _copy(source: Path, target: Path) -> None:
-    """A file, link or directory tree, links kept as links."""
+    """A file, link or directory tree, links kept as links; its parent directory made where the new output has none."""
+    target.parent.mkdir(parents=True, exist_ok=True)
     if source.is_dir() and not source.is_symlink():
         shutil.copytree(source, target, symlinks=True)
     else:

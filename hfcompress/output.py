@@ -123,15 +123,27 @@ def written_by_hfcompress(name: str) -> bool:
 
 
 def user_entries(earlier: Path) -> list[str]:
-    """The entries of an earlier output that it did not write (the user's files and directories): what --overwrite
-    keeps. The earlier report's list of files says what was written; one without that list, the names hfcompress
+    """The entries of an earlier output that it did not write (the user's files and directories, paths relative to
+    it, also inside a directory hfcompress writes such as plots/): what --overwrite keeps. The earlier report's list of files says what was written; one without that list, the names hfcompress
     writes. The new output's own names replace the earlier ones in any case."""
     written = listed_files(earlier)
-    ours = {name.split("/")[0] for name in written or ()}
-    return sorted(
-        entry.name for entry in earlier.iterdir()
-        if entry.name not in ours and not (written is None and written_by_hfcompress(entry.name))
-    )
+    if written is None:
+        return sorted(entry.name for entry in earlier.iterdir() if not written_by_hfcompress(entry.name))
+    ours = set(written)
+    # directories that hold something hfcompress wrote: the user's files inside them (plots/mine.png) are kept one by one
+    mixed = {"/".join(name.split("/")[:depth]) for name in ours for depth in range(1, name.count("/") + 1)}
+    kept = []
+
+    def walk(directory: Path) -> None:
+        for entry in sorted(directory.iterdir()):
+            name = str(entry.relative_to(earlier))
+            if name in mixed and entry.is_dir() and not entry.is_symlink():
+                walk(entry)
+            elif name not in ours:
+                kept.append(name)
+
+    walk(earlier)
+    return kept
 
 
 def pushed_files(output: Path) -> tuple[list[str], list[str]]:

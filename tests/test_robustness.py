@@ -487,11 +487,13 @@ def test_overwrite_keeps_the_users_files_and_replaces_the_earlier_run(warm, tmp_
     (out / "NOTES.md").write_text("my notes")
     (out / "my_eval_runs" / "run-1").mkdir(parents=True)
     (out / "my_eval_runs" / "run-1" / "results.json").write_text('{"acc": 0.5}')
+    (out / "plots" / "mine.png").write_bytes(b"my own plot")  # inside a directory hfcompress writes
 
     result = convert(*command, "--overwrite")
     assert result.exit_code == 0, result.output
     assert (out / "NOTES.md").read_text() == "my notes"
     assert (out / "my_eval_runs" / "run-1" / "results.json").read_text() == '{"acc": 0.5}'
+    assert (out / "plots" / "mine.png").read_bytes() == b"my own plot" and (out / "plots" / "similarity.png").is_file()
     assert not (out / "model-00002-of-00002.safetensors").exists()
     files = json.loads((out / "hfcompress_report.json").read_text())["files"]
     assert "NOTES.md" not in files and not [f for f in files if f.startswith("my_eval_runs")]  # still the user's

@@ -14,6 +14,7 @@ windows of 512). KV: cached values a token against the original's K + V. Rows ar
 """
 
 import argparse
+import math
 import time
 from pathlib import Path
 
@@ -26,6 +27,39 @@ from hfcompress.source import BUILTIN_SOURCE, load_source, resolve_source, sourc
 from hfcompress.token_streams import token_streams
 from hfcompress.validate import perplexity
 
+def spearman(a: list[float], b: list[float]) -> float:
+    rank = lambda xs: torch.tensor(xs).argsort().argsort().double()
+    ra, rb = rank(a), rank(b)
+    return float(torch.corrcoef(torch.stack([ra, rb]))[0, 1])
+
+
+def check_surrogate(model, stats, weights, head_dim: int, width: int, streams, context: int, out: Path | None) -> None:
+    """Does the Fisher surrogate rank layers as the loss does? Per layer alone: its keys on `width` Fisher directions,
+    the selection tokens' mean loss change against the original's, beside the surrogate tr(G (I-P) C (I-P)^T)."""
+
+    def loss() -> float:
+        with torch.no_grad():
+            return math.log(perplexity(model, streams.selection_ids, context, prefix=streams.prefix, label="selection").perplexity)
+
+    base = loss()
+    rows, surrogates, changes = [], [], []
+    for index in range(len(model.model.layers)):
+        sub = KeySubspace(stats[index], weights[index], "fisher", "pre", head_dim)
+        with projected_keys(model, {index: sub.projector(width)}):
+            change = loss() - base
+        surrogates.append(sub.cost(width))
+        changes.append(change)
+        rows.append(f"| {index} | {surrogates[-1]:.4f} | {change:+.5f} |")
+        print(rows[-1], flush=True)
+    lines = [f"Keys of one layer at a time on {width} Fisher directions (pre-RoPE); loss: mean NLL of "
+             f"{len(streams.selection_ids):,} selection tokens, original {base:.4f}.", "",
+             "| layer | surrogate | measured loss change |", "|---|---|---|", *rows, "",
+             f"Spearman rank correlation, surrogate vs measured: {spearman(surrogates, changes):.3f}"]  # fmt: skip
+    print(lines[-1])
+    if out:
+        out.write_text("\n".join(lines) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--source", default=BUILTIN_SOURCE)
@@ -37,6 +71,11 @@ def main() -> None:
     parser.add_argument("--eval-tokens", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="markdown file the rows are appended to")
+    parser.add_argument(
+        "--check-surrogate", type=int, default=0, metavar="WIDTH",
+        help="instead of the table: per layer, the Fisher surrogate of keeping WIDTH key values (fisher, pre) against "
+        "the measured loss change of that layer alone on the calibration text's selection tokens (no fit saw them)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -65,6 +104,9 @@ def main() -> None:
                 for ids in streams.evaluations.values()
             ]
 
+    if args.check_surrogate:
+        check_surrogate(model, stats, weights, head_dim, args.check_surrogate, streams, options.eval_context, args.out)
+        return
     names = [name.split(" (")[0] for name in streams.evaluations]  # "mixture of ...", "numpy-docs"
     base = score()
     header = f"| layout | method | widths | K width (mean) | KV | " + " | ".join(f"{n} ppl (ratio)" for n in names) + " | surrogate |"

@@ -1,23 +1,20 @@
 """Step 5, build: a converted model (the family's LisaXxxForCausalLM) from the original weights plus the fitted LISA
-and FASC modules, and the atomic write of the output directory (weights, config with auto_map, remote code, tokenizer, card, report).
+and FASC modules, and the files the output holds beside the weights (config with auto_map, remote code, tokenizer);
+the output directory itself is written atomically by atomic.atomic_directory (output.py).
 """
 
-import errno
 import json
-import os
-import shutil
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from accelerate import init_empty_weights
+from safetensors import safe_open
 from torch import nn
 
-from .errors import WRITE_FAILED_EXIT, HfcompressError
+from .errors import HfcompressError
 from .families import family_for, family_of
 from .lisa.weights import is_lisa_parameter
-from .remote import write_remote_code
+from .remote import import_remote, write_remote_code
 
 
 def converted_config(original_config, entries: dict):
@@ -105,52 +102,6 @@ def refuse_existing_output(out_dir: Path, overwrite: bool) -> Path:
     return out_dir
 
 
-def write_output_dir(out_dir: Path, overwrite: bool, write: Callable[[Path], None]) -> Path:
-    """Run `write(tmp)` into a temporary sibling directory and rename it into place only when it succeeded.
-
-    A crash, Ctrl-C or full disk leaves no directory at `out_dir` that looks complete; an existing output is
-    replaced only after the new one is complete.
-    """
-    out_dir = refuse_existing_output(out_dir.resolve(), overwrite)
-    tmp = None
-    try:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary directory
-        write(tmp)
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            out_dir.rename(old)
-            try:
-                tmp.rename(out_dir)
-            except BaseException:
-                old.rename(out_dir)  # put the earlier output back
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out_dir)
-    except BaseException as err:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(err, OSError):
-            raise HfcompressError(_write_failure(out_dir, err), exit_code=WRITE_FAILED_EXIT) from err
-        raise
-    return out_dir
-
-
-def _write_failure(out_dir: Path, err: OSError) -> str:
-    kept = "nothing was written and any earlier output there is untouched"
-    if err.errno == errno.ENOSPC:
-        return (
-            f"The disk is full while writing {out_dir}: free some space and rerun the same command "
-            f"(calibration is cached); {kept}."
-        )
-    where = f" ({err.filename})" if err.filename else ""
-    return f"Cannot write {out_dir}: {err.strerror or err}{where}; {kept}: check permissions and free space, then rerun."
-
-
 def cast_parameters(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """Parameters to `dtype`, in place; buffers such as the RoPE frequencies stay as they are.
 
@@ -184,15 +135,34 @@ def _save_tokenizer(tokenizer, directory: Path) -> None:
     path.write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 
+def with_cache_layout(config: dict, directory: Path) -> dict:
+    """`config` (config.json's dict) with the `source` of each sparse-Align LISA layer (its head matching, the
+    `align.source` of the weights written in `directory`): the KV cache layout of every layer then follows from
+    config.json alone (the vLLM plugin lays its cache out before it reads any weight)."""
+    lisa_spec = import_remote("configuration_lisa").lisa_spec
+    heads, specs = config["num_attention_heads"], config.get("lisa_layers") or {}
+    wanted = {f"model.layers.{k}.self_attn.align.source": k for k, s in specs.items() if lisa_spec(s, heads)["align"] == "sparse"}
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(path, "pt") as handle:
+            for name in wanted.keys() & set(handle.keys()):
+                specs[wanted.pop(name)]["source"] = handle.get_tensor(name).tolist()
+    if wanted:
+        raise HfcompressError(f"Internal error: the weights in {directory} hold no {sorted(wanted)[0]}.")
+    return config
+
+
 def save_companion_files(tokenizer, generation_config, directory: Path) -> None:
     """Everything beside the weights and config.json: tokenizer, generation config and, once the config.json already in
-    `directory` is checked to carry the auto_map, the remote-code files (only those the model imports; the kernels only
-    where a layer uses them)."""
+    `directory` is checked to carry the auto_map, the cache layout of its LISA layers (`with_cache_layout`) and the
+    remote-code files (only those the model imports; the kernels only where a layer uses them)."""
     _save_tokenizer(tokenizer, directory)
     if generation_config is not None:
         generation_config.save_pretrained(directory)
-    config = json.loads((directory / "config.json").read_text())
+    path = directory / "config.json"
+    config = json.loads(path.read_text())
     auto_map = family_for(config["model_type"]).auto_map
     if config.get("auto_map") != auto_map:
         raise HfcompressError("Internal error: config.json was saved without its auto_map.")
+    config = with_cache_layout(config, directory)
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")  # as transformers' save_pretrained writes it
     write_remote_code(config, directory)

@@ -1,13 +1,13 @@
 """Configuration of LisaGemma3: a Gemma 3 (text) model with LISA-shared attention layers and FASC low-rank linears.
 
 Shipped to the Hub as remote code next to `modeling_lisa_gemma3.py`; imports only transformers and its sibling
-`configuration_lisa.py` (the conversion specs every family shares).
+`configuration_lisa.py` (the family table and the conversion specs every family shares).
 """
 
 from huggingface_hub.dataclasses import strict
 from transformers.models.gemma3.configuration_gemma3 import Gemma3TextConfig
 
-from .configuration_lisa import ATTENTION_TYPES, LISA_CACHE_TYPES, LisaConfigMixin
+from .configuration_lisa import FAMILIES, LISA_CACHE_TYPES, LisaConfigMixin
 
 
 @strict
@@ -20,7 +20,7 @@ class LisaGemma3Config(LisaConfigMixin, Gemma3TextConfig):
     rope_parameters (`dict`): nested by attention type ("full_attention", "sliding_attention"), as Gemma 3's.
     """
 
-    model_type = "lisa_gemma3"
+    model_type = FAMILIES["gemma3"].converted_model_type
     # the RoPE entries are named by attention type, not by the cache layer types of `layer_types`
     _rope_type_labels = tuple(LISA_CACHE_TYPES)
 
@@ -32,19 +32,6 @@ class LisaGemma3Config(LisaConfigMixin, Gemma3TextConfig):
         self.normalise_specs()
         super().__post_init__(**kwargs)  # Gemma 3's own layer_types, when the source has none
         self.layer_types = self.cache_layer_types()
-
-    @property
-    def attention_types(self) -> list[str]:
-        return [ATTENTION_TYPES.get(t, t) for t in self.layer_types]
-
-    @property
-    def projection_biases(self) -> dict[str, bool]:
-        return dict.fromkeys(("q_proj", "k_proj", "v_proj", "o_proj"), self.attention_bias)
-
-    @property
-    def embedding_scale(self) -> float:
-        """Gemma 3 multiplies its input embeddings by sqrt(hidden_size)."""
-        return self.hidden_size**0.5
 
     def validate_architecture(self):
         super().validate_architecture()

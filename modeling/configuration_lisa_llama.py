@@ -1,13 +1,13 @@
 """Configuration of LisaLlama: a Llama model with LISA-shared attention layers and FASC low-rank linears.
 
 Shipped to the Hub as remote code next to `modeling_lisa_llama.py`; imports only transformers and its sibling
-`configuration_lisa.py` (the conversion specs every family shares).
+`configuration_lisa.py` (the family table and the conversion specs every family shares).
 """
 
 from huggingface_hub.dataclasses import strict
 from transformers.models.llama.configuration_llama import LlamaConfig
 
-from .configuration_lisa import LisaConfigMixin
+from .configuration_lisa import FAMILIES, LisaConfigMixin
 
 
 @strict
@@ -17,7 +17,7 @@ class LisaLlamaConfig(LisaConfigMixin, LlamaConfig):
     layer has full attention.
     """
 
-    model_type = "lisa_llama"
+    model_type = FAMILIES["llama"].converted_model_type
 
     lisa_layers: dict | None = None
     fasc_ranks: dict | None = None
@@ -26,14 +26,6 @@ class LisaLlamaConfig(LisaConfigMixin, LlamaConfig):
     def __post_init__(self, **kwargs):
         self.normalise_specs()
         super().__post_init__(**kwargs)
-
-    @property
-    def attention_types(self) -> list[str]:
-        return ["full_attention"] * self.num_hidden_layers
-
-    @property
-    def projection_biases(self) -> dict[str, bool]:
-        return dict.fromkeys(("q_proj", "k_proj", "v_proj", "o_proj"), self.attention_bias)
 
     @property
     def layer_types(self) -> list[str]:

@@ -1,13 +1,13 @@
 """Configuration of LisaMistral: a Mistral model with LISA-shared attention layers and FASC low-rank linears.
 
 Shipped to the Hub as remote code next to `modeling_lisa_mistral.py`; imports only transformers and its sibling
-`configuration_lisa.py` (the conversion specs every family shares).
+`configuration_lisa.py` (the family table and the conversion specs every family shares).
 """
 
 from huggingface_hub.dataclasses import strict
 from transformers.models.mistral.configuration_mistral import MistralConfig
 
-from .configuration_lisa import LisaConfigMixin
+from .configuration_lisa import FAMILIES, LisaConfigMixin
 
 
 @strict
@@ -17,7 +17,7 @@ class LisaMistralConfig(LisaConfigMixin, MistralConfig):
     Every layer attends within the last `sliding_window` positions, or to all of them when it is None.
     """
 
-    model_type = "lisa_mistral"
+    model_type = FAMILIES["mistral"].converted_model_type
 
     lisa_layers: dict | None = None
     fasc_ranks: dict | None = None
@@ -26,14 +26,6 @@ class LisaMistralConfig(LisaConfigMixin, MistralConfig):
     def __post_init__(self, **kwargs):
         self.normalise_specs()
         super().__post_init__(**kwargs)
-
-    @property
-    def attention_types(self) -> list[str]:
-        return ["sliding_attention" if self.sliding_window is not None else "full_attention"] * self.num_hidden_layers
-
-    @property
-    def projection_biases(self) -> dict[str, bool]:
-        return dict.fromkeys(("q_proj", "k_proj", "v_proj", "o_proj"), False)
 
     @property
     def layer_types(self) -> list[str]:

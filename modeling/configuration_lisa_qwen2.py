@@ -1,13 +1,13 @@
 """Configuration of LisaQwen2: a Qwen2 / Qwen2.5 model with LISA-shared attention layers and FASC low-rank linears.
 
 Shipped to the Hub as remote code next to `modeling_lisa_qwen2.py`; imports only transformers and its sibling
-`configuration_lisa.py` (the conversion specs every family shares).
+`configuration_lisa.py` (the family table and the conversion specs every family shares).
 """
 
 from huggingface_hub.dataclasses import strict
 from transformers.models.qwen2.configuration_qwen2 import Qwen2Config
 
-from .configuration_lisa import ATTENTION_TYPES, LisaConfigMixin
+from .configuration_lisa import FAMILIES, LisaConfigMixin
 
 
 @strict
@@ -20,7 +20,7 @@ class LisaQwen2Config(LisaConfigMixin, Qwen2Config):
     head_dim (`int`, *optional*): `hidden_size // num_attention_heads` unless given (Qwen2's own default).
     """
 
-    model_type = "lisa_qwen2"
+    model_type = FAMILIES["qwen2"].converted_model_type
 
     lisa_layers: dict | None = None
     fasc_ranks: dict | None = None
@@ -33,14 +33,6 @@ class LisaQwen2Config(LisaConfigMixin, Qwen2Config):
             self.head_dim = self.hidden_size // self.num_attention_heads
         super().__post_init__(**kwargs)  # Qwen2's own layer_types, when the source has none
         self.layer_types = self.cache_layer_types()
-
-    @property
-    def attention_types(self) -> list[str]:
-        return [ATTENTION_TYPES.get(t, t) for t in self.layer_types]
-
-    @property
-    def projection_biases(self) -> dict[str, bool]:
-        return {"q_proj": True, "k_proj": True, "v_proj": True, "o_proj": False}
 
 
 __all__ = ["LisaQwen2Config"]

@@ -1,13 +1,13 @@
 """Configuration of LisaQwen3: a Qwen3 model with LISA-shared attention layers and FASC low-rank linears.
 
 Shipped to the Hub as remote code next to `modeling_lisa_qwen3.py`; imports only transformers and its sibling
-`configuration_lisa.py` (the conversion specs every family shares).
+`configuration_lisa.py` (the family table and the conversion specs every family shares).
 """
 
 from huggingface_hub.dataclasses import strict
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 
-from .configuration_lisa import ATTENTION_TYPES, LisaConfigMixin
+from .configuration_lisa import FAMILIES, LisaConfigMixin
 
 
 @strict
@@ -19,7 +19,7 @@ class LisaQwen3Config(LisaConfigMixin, Qwen3Config):
         `use_sliding_window` and `max_window_layers`, or the source's own list), "lisa_"-prefixed for a LISA layer.
     """
 
-    model_type = "lisa_qwen3"
+    model_type = FAMILIES["qwen3"].converted_model_type
 
     lisa_layers: dict | None = None
     fasc_ranks: dict | None = None
@@ -29,14 +29,6 @@ class LisaQwen3Config(LisaConfigMixin, Qwen3Config):
         self.normalise_specs()
         super().__post_init__(**kwargs)  # Qwen3's own layer_types, when the source has none
         self.layer_types = self.cache_layer_types()
-
-    @property
-    def attention_types(self) -> list[str]:
-        return [ATTENTION_TYPES.get(t, t) for t in self.layer_types]
-
-    @property
-    def projection_biases(self) -> dict[str, bool]:
-        return dict.fromkeys(("q_proj", "k_proj", "v_proj", "o_proj"), self.attention_bias)
 
 
 __all__ = ["LisaQwen3Config"]

@@ -13,7 +13,11 @@ attention by a `query_pre_attn_scalar` that is not its head_dim.
   cache), and shares only with a layer below of its own type.
 - `hfcompress convert DIR` of every family (LISA and FASC both changing something) writes a repo that loads in a fresh
   process with `AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)` and generates, and ships exactly
-  the .py files the family imports.
+  the .py files the family imports; its config.json states each shared layer's `source`, the head matching of its
+  weights (the vLLM plugin lays out the cache from config.json alone).
+- One family table (`configuration_lisa.FAMILIES` of the remote code): the converter's families are its entries, each
+  builds its remote config and classes, and no reader (the converter's families, the remote configs, the plugin)
+  names a family itself.
 """
 
 from __future__ import annotations
@@ -399,6 +403,10 @@ def test_convert_writes_a_repo_that_loads_and_generates(name, convert_and_load):
     assert {f"{family.modeling_module}.py", f"{family.config_module}.py", "lisa_attention.py"} <= set(shipped)
 
     names = tensor_names(out)
+    with safe_open(out / "model.safetensors", "pt") as handle:  # the cache layout of every shared layer, in config.json
+        for layer, spec in config["lisa_layers"].items():  # a dense Align mixes every head: no source
+            source = handle.get_tensor(f"model.layers.{layer}.self_attn.align.source").tolist() if spec["align"] == "sparse" else None
+            assert spec.get("source") == source
     for layer in EXPECTED_LISA_LAYERS[name]:  # a shared layer drops q/k (biases, norms) and keeps V, O
         prefix = f"model.layers.{layer}.self_attn."
         assert not {n for n in names if n.startswith(prefix) and any(p in n for p in ("q_proj", "k_proj", "q_norm", "k_norm"))}
@@ -429,3 +437,52 @@ def test_unsupported_model_type_is_refused_by_name(model_type, tiny_llama_dir, t
     )
     assert f"'{model_type}' model" in result.output and f"supports only: {supported}" in result.output
     assert not out.exists()
+
+
+# ------------------------------------------------------------------------------------------------ the family table
+TABLE = import_remote("configuration_lisa").FAMILIES
+ROOT = Path(__file__).resolve().parents[1]
+# what reads the table and may name no family itself: the converter's families, the vLLM plugin (a family's own
+# configuration file names its class, the Hub's entry point, and takes its model_type from the table)
+READERS = [ROOT / "hfcompress" / "families" / "__init__.py", *(ROOT / "hfcompress" / "vllm_plugin").glob("*.py")]
+
+
+@pytest.mark.parametrize("name", list(TABLE))
+def test_each_family_of_the_table_builds_its_classes(name):
+    """An entry of the table is a converter family with the same facts, whose remote config (model_type, attention
+    types, biases, embedding scale) and causal LM load, and whose modeling has the norms the table states."""
+    entry, family = TABLE[name], FAMILIES[name]
+    assert {f: getattr(family, f) for f in vars(entry)} == vars(entry) and family.auto_map == entry.auto_map
+    config_class, causal_lm = family.remote_classes()
+    assert config_class.model_type == entry.converted_model_type and causal_lm.__name__ == entry.causal_lm_class
+    original_config, original_class = family.transformers_classes()
+    assert original_class.__name__ == entry.transformers_causal_lm and original_config.model_type in entry.model_types
+    config = converted_config(original_config(**TINY, vocab_size=64), {})
+    assert family_of(config) is family and config.lisa_family == entry and len(config.attention_types) == 4
+    assert config.projection_biases["q_proj"] == (entry.biases == "qkv" or (entry.biases == "attention_bias" and config.attention_bias))
+    assert (config.embedding_scale != 1.0) == entry.scaled_embedding
+    modeling = family.modeling()  # its own classes name the norms the table states (the plugin builds those)
+    own = [v for v in vars(modeling).values() if isinstance(v, type) and v.__module__ == modeling.__name__]
+    norms = {vars(cls)["norm_class"].__name__ for cls in own if "norm_class" in vars(cls)}
+    assert norms and all(("Gemma" in norm) == (entry.norm == "gemma") for norm in norms)
+    assert entry.qk_norm == any("qk_norm_class" in vars(cls) for cls in own)
+
+
+def test_the_family_table_is_the_only_source():
+    """Every family of the table is the converter's (and nothing else is), a new entry would be too, and no reader of
+    the table spells a family's model types or class names: they are the table's to say."""
+    import ast
+    import dataclasses
+
+    import hfcompress.families as families
+
+    assert list(FAMILIES) == list(TABLE)
+    assert not [p.name for p in (ROOT / "hfcompress" / "families").glob("*.py") if p.name != "__init__.py"]
+    new = dataclasses.replace(TABLE["llama"], name="llama9", title="Llama 9", model_types=("llama9",))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(TABLE, "llama9", new)
+        assert families._families()["llama9"].auto_map["AutoConfig"] == "configuration_lisa_llama9.LisaLlama9Config"
+    names = {n for f in TABLE.values() for n in (*f.model_types, f.converted_model_type, f.config_class, f.causal_lm_class)}
+    for path in READERS:
+        spelled = {node.value for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Constant)}
+        assert not spelled & names, f"{path.relative_to(ROOT)} names {sorted(spelled & names)}: read the family table"

@@ -1,73 +1,29 @@
-"""Model families: what hfcompress needs to know about a source architecture, one module per family.
+"""Model families: what hfcompress needs to know about a source architecture.
 
-A family (`Family`, below) names the source's transformers classes, the remote-code modules and classes of its
-converted model, the converted `model_type` and `auto_map`, the config fields a source must define, the llama.cpp GGUF
-architectures that load as it, and the classes `stream.LayerStream` builds layers and the head from (the converted
-model's own behaviour, e.g. Qwen2's biases or windows, lives in its remote-code config and modeling files). Every Llama-specific point of the tool (source checks and loading, checkpoint layout, GGUF
-dequantising, the streamed layers, the converted config and its remote code, the whole-model teacher, the card's
-tag) asks the family of the source config's `model_type` (`family_for`). A new family is a module here with a
-`FAMILY` and its entry in `FAMILIES`, plus its `modeling/` files; the driver does not change.
+The facts of each family (its names, source model types and transformers classes, the converted model's classes,
+model_type and auto_map, the config fields a source must define, the llama.cpp GGUF architectures that load as it,
+its attention types, biases and norms) live in ONE table, `FAMILIES` of the remote code's `configuration_lisa.py`,
+which the converted model's configuration and the vLLM plugin read too; it lives there because that file ships to the
+Hub with every converted model and may import only its siblings. `Family` (below) is a table entry with what only
+the converter does with it: import its transformers and remote-code classes. Every Llama-specific point of the tool
+(source checks and loading, checkpoint layout, GGUF dequantising, the streamed layers, the converted config and its
+remote code, the whole-model teacher, the card's tag) asks the family of the source config's `model_type`
+(`family_for`). A new family is an entry in that table plus its `modeling/` files; the driver does not change.
 """
 
+import dataclasses
 import importlib
-from dataclasses import dataclass
 from types import ModuleType
 
 from ..errors import HfcompressError
 from ..remote import import_remote
 
+LisaFamily = import_remote("configuration_lisa").LisaFamily
 
-@dataclass(frozen=True)
-class Family:
-    name: str  # the card's tag, the report's source.family
-    title: str  # in messages: "the weights do not match the Qwen2 layout"
-    model_types: tuple[str, ...]  # source config model_type values of this family
-    transformers_config: str  # transformers' config class, e.g. "Qwen2Config"
-    transformers_causal_lm: str  # transformers' causal-LM class: the source loader and the distillation teacher
-    # config.json fields a source must define (transformers' defaults would be another model's shapes); a custom-code
-    # source of an unknown model_type that has Llama's is converted as Llama
-    required_fields: tuple[str, ...]
-    # GGUF `general.architecture` values converted (transformers loads a "llama" GGUF named *mistral* as Mistral)
-    gguf_architectures: tuple[str, ...] = ()
 
-    # the converted model's names follow from the family's: lisa_<name>, configuration_lisa_<name>.Lisa<Title>Config, ...
-    @property
-    def converted_model_type(self) -> str:  # `model_type` of the converted config.json, e.g. "lisa_qwen2"
-        return f"lisa_{self.name}"
-
-    @property
-    def config_module(self) -> str:  # remote-code module of the converted config, e.g. "configuration_lisa_qwen2"
-        return f"configuration_lisa_{self.name}"
-
-    @property
-    def modeling_module(self) -> str:  # remote-code module of the converted model, e.g. "modeling_lisa_qwen2"
-        return f"modeling_lisa_{self.name}"
-
-    @property
-    def _class_prefix(self) -> str:  # "LisaQwen2", "LisaGemma3"
-        return "Lisa" + self.title.replace(" ", "")
-
-    @property
-    def config_class(self) -> str:
-        return f"{self._class_prefix}Config"
-
-    @property
-    def model_class(self) -> str:
-        return f"{self._class_prefix}Model"
-
-    @property
-    def causal_lm_class(self) -> str:
-        return f"{self._class_prefix}ForCausalLM"
-
-    @property
-    def auto_map(self) -> dict[str, str]:
-        """The converted config.json's auto_map: AutoConfig, AutoModel (vLLM's Transformers backend loads the base
-        model) and AutoModelForCausalLM."""
-        return {
-            "AutoConfig": f"{self.config_module}.{self.config_class}",
-            "AutoModel": f"{self.modeling_module}.{self.model_class}",
-            "AutoModelForCausalLM": f"{self.modeling_module}.{self.causal_lm_class}",
-        }
+@dataclasses.dataclass(frozen=True)
+class Family(LisaFamily):
+    """A family of the table, with the converter's imports of its classes."""
 
     def transformers_classes(self) -> tuple[type, type]:
         """(config class, causal-LM class) of the source in transformers."""
@@ -87,9 +43,9 @@ class Family:
 
 
 def _families() -> dict[str, Family]:
-    from . import gemma3, llama, mistral, qwen2, qwen3
-
-    return {module.FAMILY.name: module.FAMILY for module in (llama, mistral, qwen2, qwen3, gemma3)}
+    table = import_remote("configuration_lisa").FAMILIES
+    fields = [f.name for f in dataclasses.fields(LisaFamily)]
+    return {name: Family(**{f: getattr(entry, f) for f in fields}) for name, entry in table.items()}
 
 
 FAMILIES: dict[str, Family] = _families()

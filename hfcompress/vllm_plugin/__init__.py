@@ -1,5 +1,5 @@
-"""vLLM plugin: serves `hfcompress convert` outputs (LisaLlama, LisaMistral, LisaQwen2, LisaQwen3, LisaGemma3) as native
-vLLM models, without trust_remote_code (docs/serving-vllm.md).
+"""vLLM plugin: serves `hfcompress convert` outputs (LisaLlama, LisaQwen2, ...: every family of the remote code's
+family table, `configuration_lisa.FAMILIES`) as native vLLM models, without trust_remote_code (docs/serving-vllm.md).
 
 Registered through the `vllm.general_plugins` entry point (pyproject.toml), which vLLM calls in every engine process:
 `register()` gives transformers the converted config classes (model_type "lisa_<family>") and vLLM the causal-LM
@@ -7,21 +7,12 @@ architectures (lazily: the model module is imported by vLLM only when such a mod
 imports neither vllm nor torch.
 """
 
-# architecture (config.json "architectures") -> (model_type, family)
-ARCHITECTURES = {
-    "LisaLlamaForCausalLM": ("lisa_llama", "llama"),
-    "LisaMistralForCausalLM": ("lisa_mistral", "mistral"),
-    "LisaQwen2ForCausalLM": ("lisa_qwen2", "qwen2"),
-    "LisaQwen3ForCausalLM": ("lisa_qwen3", "qwen3"),
-    "LisaGemma3ForCausalLM": ("lisa_gemma3", "gemma3"),
-}
-
 
 def register() -> None:
     from transformers import AutoConfig
     from vllm import ModelRegistry
 
-    from .configs import CONFIG_CLASSES
+    from .configs import CONFIG_CLASSES, FAMILIES
 
     for model_type, config_class in CONFIG_CLASSES.items():
         try:
@@ -29,7 +20,8 @@ def register() -> None:
         except ValueError:  # already registered in this process
             pass
     supported = set(ModelRegistry.get_supported_archs())
-    for arch in ARCHITECTURES:
+    for family in FAMILIES.values():  # config.json "architectures" names the family's causal-LM class
+        arch = family.causal_lm_class
         if arch not in supported:
             ModelRegistry.register_model(arch, f"hfcompress.vllm_plugin.model:{arch}")
 

@@ -6,7 +6,12 @@ vLLM (and, for the families that keep a `layer_types` field, the family config o
 into attention types, and the conversion's own view is kept in `lisa_cache_types`.
 
 What the plugin cannot serve is refused here, while vLLM parses config.json (before it builds the model or allocates
-any memory), with one sentence that names config.json, the layers, and the conversion option to use instead.
+any memory), with one sentence that names config.json, the layers, and the conversion option to use instead. That
+includes a model whose LISA layers state no `source` (the head matching the cache layout follows, written into
+config.json since this version): the plugin lays out the cache from config.json alone, never from the weights.
+
+The families served are those of the remote code's family table (`configuration_lisa.FAMILIES`): one config class
+each, `CONFIG_CLASSES`.
 """
 
 from huggingface_hub.dataclasses import strict
@@ -74,6 +79,12 @@ class LisaServableMixin:
         bad = [k for k in self.lisa_layers if not 0 < int(k) < n] + [i for i in self.dropped_attention_layers if not 0 < i < n]
         if bad:
             raise UnservableModel(f"config.json: layers {bad} of lisa_layers / dropped_attention_layers are outside 1..{n - 1}.")
+        unstated = sorted(int(k) for k, spec in self.lisa_layers.items() if spec.get("source") is None)
+        if unstated:
+            raise UnservableModel(
+                f"config.json: lisa_layers {unstated} state no `source` (the head matching their KV cache is laid out "
+                "by): the model was converted by an hfcompress older than this plugin; convert it again with this one."
+            )
         for key, spec in self.lisa_layers.items():
             idx = int(key)
             if idx - 1 in self.dropped_attention_layers or idx in self.dropped_attention_layers:
@@ -94,10 +105,9 @@ def served(remote_module: str, remote_class: str) -> type:
     return cls
 
 
+FAMILIES = _lisa.FAMILIES  # the one family table
+LisaFamily = _lisa.LisaFamily
+# converted model_type -> its config class with this plugin's checks
 CONFIG_CLASSES = {
-    cls.model_type: cls
-    for cls in (
-        served(f"configuration_lisa_{family}", f"Lisa{name}Config")
-        for family, name in (("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2"), ("qwen3", "Qwen3"), ("gemma3", "Gemma3"))
-    )
+    family.converted_model_type: served(family.config_module, family.config_class) for family in FAMILIES.values()
 }

@@ -1,5 +1,6 @@
 """hfcompress's converted models as native vLLM models: LISA (sparse Align) shared layers, FASC linears, dropped-attention
-layers, for the Llama, Mistral, Qwen2, Qwen3 and Gemma 3 families. Exact against the remote code (modeling/) up to
+layers, for every family of the remote code's family table (`configuration_lisa.FAMILIES`: norms, q/k norms, the
+attention scaling and the causal-LM classes come from it). Exact against the remote code (modeling/) up to
 floating-point order: tests/vllm/.
 
 The math (modeling/lisa_attention.py): a shared layer l with sparse Align has the scores
@@ -35,6 +36,8 @@ different heads ("grouped" head matching, `hfcompress convert --lisa-group-heads
 (query head h reads KV head h // group) pairs them with the right cache head. With P = 64 * (group length) (e.g.
 SmolLM2: head_dim 64, rank 20: a root and one shared layer, key 84, value 128 -> P = 128), a group costs exactly what
 its layers cost in the original: the served model never caches more than the original.
+Every layout follows from config.json alone: a shared layer's spec states its `source` (its head matching), so the
+cache is planned before any weight is read.
 A group that does not meet this (an older conversion with free head matching, or low-rank keys per head) is served
 with an own cache per shared layer ([root key | low-rank keys] and V at one padded width; one cache head per KV group
 when the group's heads read one key, else one per query head): exact, but more cache than the original
@@ -45,7 +48,6 @@ A dropped-attention layer (config `dropped_attention_layers`) has no attention a
 
 from __future__ import annotations
 
-import glob
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -66,7 +68,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.platforms import current_platform
 
-from .configs import UnservableModel
+from .configs import FAMILIES, LisaFamily, UnservableModel
 from .lowrank import KeyPart, LowRankCacheAttention, SharedQuery
 
 
@@ -114,21 +116,8 @@ def linear(in_features: int, out_features: int, bias: bool, rank: int | None, pr
 
 
 # ------------------------------------------------------------------------------------------------------------ families
-@dataclass(frozen=True)
-class Family:
-    norm: type[nn.Module]  # RMSNorm (w x) or GemmaRMSNorm ((1 + w) x)
-    qk_norm: bool  # per-head q/k norms before RoPE (Qwen3, Gemma 3)
-    sandwich: bool  # Gemma 3: post-attention norm, pre/post-feedforward norms
-    scaled_embedding: bool  # Gemma 3: embeddings times sqrt(hidden)
-
-
-FAMILIES = {
-    "lisa_llama": Family(RMSNorm, False, False, False),
-    "lisa_mistral": Family(RMSNorm, False, False, False),
-    "lisa_qwen2": Family(RMSNorm, False, False, False),
-    "lisa_qwen3": Family(RMSNorm, True, False, False),
-    "lisa_gemma3": Family(GemmaRMSNorm, True, True, True),
-}
+# the family table's norm kinds as vLLM's layers: "rms" w x, "gemma" (1 + w) x
+NORMS: dict[str, type[nn.Module]] = {"rms": RMSNorm, "gemma": GemmaRMSNorm}
 
 
 def head_dim(config) -> int:
@@ -136,9 +125,8 @@ def head_dim(config) -> int:
 
 
 def attention_scaling(config) -> float:
-    if config.model_type == "lisa_gemma3":
-        return config.query_pre_attn_scalar**-0.5
-    return head_dim(config) ** -0.5
+    field_name = config.lisa_family.query_scale_field  # Gemma 3: query_pre_attn_scalar
+    return (getattr(config, field_name) if field_name else head_dim(config)) ** -0.5
 
 
 def rope_parameters(config, attention_type: str) -> dict:
@@ -197,35 +185,10 @@ class LayerPlan:
     parts: list[tuple[int, list[int], int, int]] = field(default_factory=list)
 
 
-def read_sources(model_dir: str, revision: str | None, layers: list[int]) -> dict[int, list[int]]:
-    """align.source of the shared layers (the head matching the converter found), read from the checkpoint at build
-    time: the cache layout depends on it."""
-    if not layers:
-        return {}
-    if not os.path.isdir(model_dir):
-        from huggingface_hub import snapshot_download
-
-        model_dir = snapshot_download(model_dir, revision=revision, allow_patterns=["*.safetensors", "*.json"])
-    from safetensors import safe_open
-
-    wanted = {f"model.layers.{i}.self_attn.align.source": i for i in layers}
-    found: dict[int, list[int]] = {}
-    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
-        with safe_open(path, "pt") as handle:
-            for name in wanted.keys() & set(handle.keys()):
-                found[wanted[name]] = handle.get_tensor(name).tolist()
-    missing = sorted(set(layers) - set(found))
-    if missing:
-        raise UnservableModel(
-            f"{model_dir}: the safetensors hold no align.source for LISA layers {missing}: not an hfcompress sparse-Align "
-            "conversion of this version; convert again."
-        )
-    return found
-
-
-def plan_layers(config, sources: dict[int, list[int]], lowrank: bool = False) -> list[LayerPlan]:
-    """The cache plan of every layer; `lowrank`: the shared layers cache their low-rank keys and V and read the root's
-    K from its cache (lowrank.py; where the root's cache layout is readable), else the concatenated-feature layouts."""
+def plan_layers(config, lowrank: bool = False) -> list[LayerPlan]:
+    """The cache plan of every layer, from config.json alone (a shared layer's spec states its `source`: configs.py
+    refuses one that does not); `lowrank`: the shared layers cache their low-rank keys and V and read the root's K from
+    its cache (lowrank.py; where the root's cache layout is readable), else the concatenated-feature layouts."""
     heads, kv = config.num_attention_heads, config.num_key_value_heads
     d, g = head_dim(config), config.num_attention_heads // config.num_key_value_heads
     types = config.attention_types
@@ -239,7 +202,7 @@ def plan_layers(config, sources: dict[int, list[int]], lowrank: bool = False) ->
             plans.append(LayerPlan(idx, "full", types[idx], width=d))
         else:
             rank, kh = int(spec["rank"]), int(spec.get("key_heads", heads))
-            plans.append(LayerPlan(idx, "shared", types[idx], rank, kh, list(sources[idx])))
+            plans.append(LayerPlan(idx, "shared", types[idx], rank, kh, [int(h) for h in spec["source"]]))
     for plan in plans[:-1]:
         plan.hands_off = plans[plan.idx + 1].kind == "shared"
     # chains: a full root and the shared layers above it
@@ -358,11 +321,10 @@ def lowrank_layout(config, dtype: torch.dtype, block_size: int | None, kv_cache_
 
 
 def served_plans(vllm_config: VllmConfig) -> list[LayerPlan]:
-    """Each layer's plan as the engine of `vllm_config` serves it: the shared layers' sources from the checkpoint, and
-    the cache layout its model dtype, block size and KV cache dtype allow."""
+    """Each layer's plan as the engine of `vllm_config` serves it: the cache layout its model dtype, block size and KV
+    cache dtype allow."""
     config, model, cache = vllm_config.model_config.hf_config, vllm_config.model_config, vllm_config.cache_config
-    sources = read_sources(model.model, model.revision, sorted(int(k) for k in config.lisa_layers))
-    return plan_layers(config, sources, lowrank_layout(config, model.dtype, cache.block_size, cache.cache_dtype))
+    return plan_layers(config, lowrank_layout(config, model.dtype, cache.block_size, cache.cache_dtype))
 
 
 def kv_layout(vllm_config: VllmConfig) -> dict[int, str]:
@@ -408,7 +370,7 @@ class Handoff:
 
 
 class FullAttention(nn.Module):
-    def __init__(self, config, family: Family, plan: LayerPlan, fasc: dict[str, int], cache_config, prefix: str):
+    def __init__(self, config, family: LisaFamily, plan: LayerPlan, fasc: dict[str, int], cache_config, prefix: str):
         super().__init__()
         self.plan = plan
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, head_dim(config)
@@ -426,8 +388,8 @@ class FullAttention(nn.Module):
             self.v_proj = linear(hidden, self.kv_size, biases["v_proj"], fasc.get("self_attn.v_proj"), f"{prefix}.v_proj")
         self.o_proj = linear(self.q_size, hidden, biases["o_proj"], fasc.get("self_attn.o_proj"), f"{prefix}.o_proj")
         if family.qk_norm:
-            self.q_norm = family.norm(d, eps=config.rms_norm_eps)
-            self.k_norm = family.norm(d, eps=config.rms_norm_eps)
+            self.q_norm = NORMS[family.norm](d, eps=config.rms_norm_eps)
+            self.k_norm = NORMS[family.norm](d, eps=config.rms_norm_eps)
         self.qk_norm = family.qk_norm
         self.rotary_emb = get_rope(d, max_position=config.max_position_embeddings,
                                    rope_parameters=rope_parameters(config, plan.attention_type), is_neox_style=True)
@@ -578,13 +540,14 @@ class SharedAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, vllm_config: VllmConfig, family: Family, plan: LayerPlan, prefix: str):
+    def __init__(self, vllm_config: VllmConfig, family: LisaFamily, plan: LayerPlan, prefix: str):
         super().__init__()
         config = vllm_config.model_config.hf_config
         cache_config = vllm_config.cache_config
         idx = plan.idx
         fasc = {path[len(f"{idx}.") :]: int(rank) for path, rank in config.fasc_ranks.items() if path.startswith(f"{idx}.")}
         self.family, self.plan = family, plan
+        norm = NORMS[family.norm]
         hidden, eps = config.hidden_size, config.rms_norm_eps
         if plan.kind == "full":
             self.self_attn = FullAttention(config, family, plan, fasc, cache_config, f"{prefix}.self_attn")
@@ -594,20 +557,20 @@ class DecoderLayer(nn.Module):
         else:
             self.self_attn = None
         if self.self_attn is not None:
-            self.input_layernorm = family.norm(hidden, eps=eps)
-        if self.self_attn is not None or not family.sandwich:  # Gemma 3 stores no post-attention norm for a dropped attention
-            self.post_attention_layernorm = family.norm(hidden, eps=eps)
-        if family.sandwich:
-            self.pre_feedforward_layernorm = family.norm(hidden, eps=eps)
-            self.post_feedforward_layernorm = family.norm(hidden, eps=eps)
+            self.input_layernorm = norm(hidden, eps=eps)
+        if self.self_attn is not None or not family.sandwich_norms:  # Gemma 3 stores no post-attention norm for a dropped attention
+            self.post_attention_layernorm = norm(hidden, eps=eps)
+        if family.sandwich_norms:
+            self.pre_feedforward_layernorm = norm(hidden, eps=eps)
+            self.post_feedforward_layernorm = norm(hidden, eps=eps)
         self.mlp = MLP(config, fasc, f"{prefix}.mlp")
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, prev: Handoff | None) -> tuple[torch.Tensor, Handoff | None]:
         handoff = None
         if self.self_attn is not None:
             attn_out, handoff = self.self_attn(positions, self.input_layernorm(hidden), prev)
-            hidden = hidden + (self.post_attention_layernorm(attn_out) if self.family.sandwich else attn_out)
-        if self.family.sandwich:
+            hidden = hidden + (self.post_attention_layernorm(attn_out) if self.family.sandwich_norms else attn_out)
+        if self.family.sandwich_norms:
             return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden))), handoff
         return hidden + self.mlp(self.post_attention_layernorm(hidden)), handoff
 
@@ -621,13 +584,13 @@ class LisaModel(nn.Module):
         super().__init__()
         config = vllm_config.model_config.hf_config
         self.config = config
-        self.family = FAMILIES[config.model_type]
+        self.family = config.lisa_family
         self.plans = served_plans(vllm_config)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens")
         self.layers = nn.ModuleList(
             [DecoderLayer(vllm_config, self.family, plan, f"{prefix}.layers.{plan.idx}") for plan in self.plans]
         )
-        self.norm = self.family.norm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = NORMS[self.family.norm](config.hidden_size, eps=config.rms_norm_eps)
         if self.family.scaled_embedding:  # rounded to the model's dtype, as Gemma does
             self.register_buffer("normalizer", torch.tensor(config.hidden_size**0.5), persistent=False)
 
@@ -732,7 +695,10 @@ class LisaForCausalLM(nn.Module):
                 loader(param, tensor) if shard is None else loader(param, tensor, shard)
             elif target in buffers:
                 if target.endswith("align.source") and not torch.equal(buffers[target].cpu(), tensor.cpu().long()):
-                    raise UnservableModel(f"checkpoint tensor {name} differs from the one the cache layout was built from")
+                    raise UnservableModel(
+                        f"checkpoint tensor {name} differs from the `source` config.json states for its layer (the "
+                        "cache layout was built from that): the files are from different conversions; convert again."
+                    )
                 buffers[target].copy_(tensor)
             else:
                 raise UnservableModel(
@@ -743,21 +709,7 @@ class LisaForCausalLM(nn.Module):
         return loaded
 
 
-class LisaLlamaForCausalLM(LisaForCausalLM):
-    pass
-
-
-class LisaMistralForCausalLM(LisaForCausalLM):
-    pass
-
-
-class LisaQwen2ForCausalLM(LisaForCausalLM):
-    pass
-
-
-class LisaQwen3ForCausalLM(LisaForCausalLM):
-    pass
-
-
-class LisaGemma3ForCausalLM(LisaForCausalLM):
-    pass
+# one class per family of the table, named as config.json's "architectures" names it (register() registers these names)
+for _family in FAMILIES.values():
+    globals()[_family.causal_lm_class] = type(_family.causal_lm_class, (LisaForCausalLM,), {"__module__": __name__})
+del _family

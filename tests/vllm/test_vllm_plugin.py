@@ -15,8 +15,9 @@
 - bf16: served at bf16 (model and KV cache), a converted model is as close to its fp32 reference as the original served
   by stock vLLM's Llama at bf16 is to transformers' fp32 one (the shared layers in the lowrank layout, the root's keys
   read as the CPU backend's bf16 ISA lays them out: "vec" transposed, or packed for AMX tiles).
-- Refusals: a dense-Align model and an unknown layer kind are refused while vLLM reads config.json, with one sentence
-  naming the file and the option, before any KV cache is allocated.
+- Refusals: a dense-Align model, an unknown layer kind and a model whose config.json does not state its shared layers'
+  `source` (converted before hfcompress wrote it) are refused while vLLM reads config.json, with one sentence naming
+  the file and the option, before any KV cache is allocated.
 """
 
 from __future__ import annotations
@@ -260,6 +261,15 @@ def test_unknown_layer_kind_is_refused_at_load(vllm_models, tmp_path):
 
     err = refusal(vllm_models, future, tmp_path)
     assert "config.json: lisa_layers {'2': ['mixer']}" in err and "does not know" in err
+
+
+def test_a_model_without_its_cache_layout_in_config_json_is_refused_at_load(vllm_models, tmp_path):
+    def older(config):
+        for spec in config["lisa_layers"].values():
+            del spec["source"]
+
+    err = refusal(vllm_models, older, tmp_path)
+    assert "config.json: lisa_layers [1, 2] state no `source`" in err and "convert it again" in err
 
 
 def test_eval_through_vllm_gives_the_transformers_perplexity(vllm_models, tmp_path):

@@ -109,7 +109,7 @@ def main() -> None:
         return
     names = [name.split(" (")[0] for name in streams.evaluations]  # "mixture of ...", "numpy-docs"
     base = score()
-    header = f"| layout | method | widths | K width (mean) | KV | " + " | ".join(f"{n} ppl (ratio)" for n in names) + " | surrogate |"
+    header = "| layout | method | widths | K width (mean) | KV | " + " | ".join(f"{n} ppl (ratio)" for n in names) + " | surrogate |"
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     lines.append(f"| original | - | - | {kv_width} | 1.000x | " + " | ".join(f"{p:.3f}" for p in base) + " | 0 |")
     print("\n".join(lines), flush=True)

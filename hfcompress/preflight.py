@@ -441,7 +441,8 @@ def check_source(options, source) -> None:
 
     from .progress import console
 
-    check_config(options, source_config(source, options.cache_dir))
+    config = source_config(source, options.cache_dir)
+    check_config(options, config)
     if source.gguf_file:
         cached = gguf_cache_dir(source, options.cache_dir)
         if (cached / "config.json").is_file():

@@ -243,7 +243,7 @@ def test_a_new_plan_in_the_same_cache_converts_afresh(tiny, tmp_path):
     earlier conversion with the same cache and settings."""
     cache = tmp_path / "cache"
     for layers in ([1], [2]):
-        settings = {**SETTINGS, "lisa": LisaOptions(layers=layers, steps=5), "fasc": FascOptions()}
+        settings = {**SETTINGS, "lisa": LisaOptions(layers=layers, steps=5, protect_first=1), "fasc": FascOptions()}
         out = tmp_path / f"out-{layers[0]}"
         pipeline.convert(ConvertOptions(source=str(tiny), out=out, cache_dir=cache, **settings), argv=[])
         assert list(json.loads((out / "config.json").read_text())["lisa_layers"]) == [str(layers[0])]

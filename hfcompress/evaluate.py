@@ -120,8 +120,11 @@ def evaluate(
     if baseline_source is not None:
         models["baseline"], baseline_tokenizer = load_source(baseline_source)
     models["model"] = converted
-    local = is_local_source(model_name) and (baseline is None or is_local_source(baseline))
-    with local_source_texts() if local else nullcontext():  # local models only: "auto" texts stay offline
+    # "auto" texts as the conversion read them: offline for a model converted from a local source (and a local or no
+    # baseline); a Hub source's conversion read the online mixture where the Hub answered, and so does its eval
+    converted_from_hub = bool(saved_report) and (saved_report.get("source") or {}).get("kind") == "hub"
+    local = is_local_source(model_name) and not converted_from_hub and (baseline is None or is_local_source(baseline))
+    with local_source_texts() if local else nullcontext():
         ids, text_name = evaluation_ids(tokenizer, load_text(eval_text, "evaluation"))
         calibration = saved_report["calibration"]["text"] if saved_report else ""
         other = other_domain_ids(tokenizer, ood_text, calibration)

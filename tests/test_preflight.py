@@ -234,6 +234,7 @@ def test_push_target_is_checked_before_the_work(hub_inprocess, tiny_llama_dir, t
     assert {r.path for r in hub_inprocess.requests} <= {"/api/whoami-v2"}  # read-only requests only
 
 
+@pytest.mark.slow  # push checks the output loads in a fresh process (~10 s): the fast tier stays under 5 minutes
 def test_server_failing_mid_upload_keeps_the_output(warm, hub_inprocess, tmp_path, monkeypatch):
     """The server reads half of every commit and drops the connection: the push is retried (bounded), then exit 4
     with the `hfcompress push` line; the output is complete and kept, the repo unchanged; the line then works."""

@@ -757,6 +757,7 @@ def test_push_retries_transient_failures(hub_inprocess, output_dir, monkeypatch,
     assert len([c for c in hub_inprocess.commits(repo) if "hfcompress" in str(c)]) == 1
 
 
+@pytest.mark.slow  # push checks the output loads in a fresh process (~10 s): the fast tier stays under 5 minutes
 def test_push_gives_up_without_half_updating_the_repo(hub_inprocess, output_dir):
     repo = f"{HUB_USER}/tiny-lisa"
     old = {"README.md": b"old card", "config.json": b"{}", "model-00001-of-00002.safetensors": b"old shard"}
@@ -780,6 +781,7 @@ def test_push_gives_up_without_half_updating_the_repo(hub_inprocess, output_dir)
     assert hub_inprocess.commits(repo)[1]["oid"] == old_head
 
 
+@pytest.mark.slow  # push checks the output loads in a fresh process (~10 s): the fast tier stays under 5 minutes
 def test_push_does_not_double_retry_what_huggingface_hub_retries(hub_inprocess, output_dir):
     repo = f"{HUB_USER}/tiny-lisa"
     hub_inprocess.inject_fault("POST", f"/api/models/{repo}/preupload/", *[503] * 10)
@@ -789,6 +791,7 @@ def test_push_does_not_double_retry_what_huggingface_hub_retries(hub_inprocess, 
     assert commit_requests(hub_inprocess, repo) == 0
 
 
+@pytest.mark.slow  # push checks the output loads in a fresh process (~10 s): the fast tier stays under 5 minutes
 def test_push_auth_errors_are_not_retried(hub_inprocess, output_dir, monkeypatch):
     repo = f"{HUB_USER}/tiny-lisa"
     hub_inprocess.inject_fault("POST", f"/api/models/{repo}/commit/", 401)
@@ -826,6 +829,7 @@ def test_gate_failed_directory_needs_force(hub_inprocess, output_dir):
     assert "hfcompress_report.json" in remote_files(hub_inprocess, repo)
 
 
+@pytest.mark.slow  # push checks the output loads in a fresh process (~10 s): the fast tier stays under 5 minutes
 def test_push_uploads_only_what_hfcompress_wrote(hub_inprocess, output_dir):
     """The user's notes and evaluation runs that --overwrite keeps in an output are never uploaded: only the files the
     report lists (or, for a report from before that list, the names hfcompress writes), each of them; the console
@@ -872,6 +876,7 @@ def test_push_interrupted_by_sigterm_says_the_output_is_complete(local_hub, hub_
 
 
 # -------------------------------------------------------------------------------- forced push, no token leaked
+@pytest.mark.slow  # push checks the output loads in a fresh process (~10 s): the fast tier stays under 5 minutes
 def test_forced_push_card_and_no_token_anywhere(warm, local_hub, tmp_path):
     """A real process: every line it logs, every file it writes, and what it pushes is free of the token."""
     tiny, cache = warm

@@ -30,11 +30,17 @@ def dependence_violation(stats: LinearStats) -> float:
     return (ratio - 1).abs().mean().item()
 
 
-def _sqrt_and_inverse(cov: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    cov = cov + DAMPING * cov.diagonal().mean() * torch.eye(len(cov), dtype=cov.dtype, device=cov.device)
-    eigval, eigvec = torch.linalg.eigh(cov)
-    eigval = eigval.clamp_min(eigval.max() * 1e-12)
-    return (eigvec * eigval.sqrt()) @ eigvec.T, (eigvec * eigval.rsqrt()) @ eigvec.T
+def damped(matrix: torch.Tensor) -> torch.Tensor:
+    """`matrix` (or a batch of them) plus DAMPING times its mean diagonal on the diagonal: invertible, barely moved."""
+    eye = torch.eye(matrix.shape[-1], dtype=matrix.dtype, device=matrix.device)
+    return matrix + DAMPING * matrix.diagonal(dim1=-2, dim2=-1).real.mean(-1, keepdim=True).unsqueeze(-1) * eye
+
+
+def sqrt_and_inverse(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """M^1/2 and M^-1/2 of a damped symmetric (or Hermitian, or a batch of) covariance."""
+    values, vectors = torch.linalg.eigh(damped(matrix))
+    values = values.clamp_min(values.max() * 1e-12)
+    return (vectors * values.sqrt().unsqueeze(-2)) @ vectors.mH, (vectors * values.rsqrt().unsqueeze(-2)) @ vectors.mH
 
 
 @dataclass
@@ -64,8 +70,8 @@ def decompose(weight: torch.Tensor, stats: LinearStats, method: str) -> Decompos
         spectrum = eigval[order].clamp_min(0) * left.pow(2).sum(0)
         return Decomposition(left=left, right=basis.T, spectrum=spectrum)
     eye_m, eye_n = (torch.eye(size, dtype=w.dtype, device=w.device) for size in w.shape)
-    c_sqrt, c_isqrt = _sqrt_and_inverse(c) if method in ("fisher", "whiten") else (eye_n, eye_n)
-    g_sqrt, g_isqrt = _sqrt_and_inverse(g) if method == "fisher" else (eye_m, eye_m)
+    c_sqrt, c_isqrt = sqrt_and_inverse(c) if method in ("fisher", "whiten") else (eye_n, eye_n)
+    g_sqrt, g_isqrt = sqrt_and_inverse(g) if method == "fisher" else (eye_m, eye_m)
     u, s, vh = torch.linalg.svd(g_sqrt @ w @ c_sqrt, full_matrices=False)
     return Decomposition(left=g_isqrt @ (u * s), right=vh @ c_isqrt, spectrum=s.pow(2))
 

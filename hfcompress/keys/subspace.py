@@ -20,7 +20,7 @@ comparable across layers, so one budget of cached values is spent where it lower
 
 import torch
 
-from ..fasc import DAMPING
+from ..fasc.factorise import damped, sqrt_and_inverse
 from .statistics import KeyStatistics
 
 CRITERIA = ("svd", "pca", "query", "fisher")
@@ -52,18 +52,6 @@ def from_complex(blocks: torch.Tensor, planes: torch.Tensor, width: int) -> torc
     out[re, re_t], out[re, im_t] = blocks.real, -blocks.imag
     out[im, re_t], out[im, im_t] = blocks.imag, blocks.real
     return out
-
-
-def damped(matrix: torch.Tensor) -> torch.Tensor:
-    eye = torch.eye(matrix.shape[-1], dtype=matrix.dtype)
-    return matrix + DAMPING * matrix.diagonal(dim1=-2, dim2=-1).real.mean(-1, keepdim=True).unsqueeze(-1) * eye
-
-
-def sqrt_and_inverse(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """M^1/2 and M^-1/2 of a (batch of) damped Hermitian matrices."""
-    values, vectors = torch.linalg.eigh(damped(matrix))
-    values = values.clamp_min(values.max() * 1e-12)
-    return (vectors * values.sqrt().unsqueeze(-2)) @ vectors.mH, (vectors * values.rsqrt().unsqueeze(-2)) @ vectors.mH
 
 
 def query_metric(q2: torch.Tensor, width: int, head_dim: int) -> torch.Tensor:

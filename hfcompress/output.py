@@ -124,8 +124,9 @@ def written_by_hfcompress(name: str) -> bool:
 
 def user_entries(earlier: Path) -> list[str]:
     """The entries of an earlier output that it did not write (the user's files and directories, paths relative to
-    it, also inside a directory hfcompress writes such as plots/): what --overwrite keeps. The earlier report's list of files says what was written; one without that list, the names hfcompress
-    writes. The new output's own names replace the earlier ones in any case."""
+    it, also inside a directory hfcompress writes such as plots/): what --overwrite keeps. The earlier report's list
+    of files says what was written; one without that list, the names hfcompress writes. The new output's own names
+    replace the earlier ones in any case."""
     written = listed_files(earlier)
     if written is None:
         return sorted(entry.name for entry in earlier.iterdir() if not written_by_hfcompress(entry.name))

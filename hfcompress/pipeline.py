@@ -38,7 +38,7 @@ from .memory import return_freed_memory
 from .methods import Finisher, Method
 from .output import save_rest, write_output
 from .passes import Converted, calibrate, convert_layers, plan
-from .preflight import check_distill_context, check_distill_text, check_output, check_push_target, check_run_disk, output_lock
+from .preflight import check_distill_text, check_output, check_push_target, check_run_disk, output_lock
 from .progress import console, heartbeat
 from .push import push_folder, require_token
 from .registry import build_methods
@@ -180,10 +180,10 @@ def check_targets(options: ConvertOptions) -> tuple[str | None, Path]:
 
 def check_resources(run: Run, methods: list[Method], finishers: list[Finisher], out_dir: Path) -> WholeModelSteps:
     """Before calibration: free disk for what the run will still write, which whole-model steps fit in memory (one
-    asked for that does not fit is refused), the distillation's windows within the model's context and the text."""
+    asked for that does not fit is refused), the distillation's windows within the calibration text (within the
+    model's context: Run.open's check_source)."""
     check_run_disk(run, methods, out_dir)
     whole = WholeModelSteps.decide(run.options, run.checkpoint, finishers, run.device)
-    check_distill_context(run.options, run.source_config)
     check_distill_text(run.options, len(run.streams.calib_ids), len(run.streams.prefix))
     return whole
 

@@ -359,12 +359,10 @@ def check_distill_context(options, config) -> None:
 def check_distill_text(options, text_tokens: int, prefix_tokens: int) -> None:
     """Distillation windows drawn from the calibration text need a text longer than one window (distill/data.py
     window_starts); from the tokenised texts, before calibration."""
-    window = options.distill.seq_len - prefix_tokens
-    if options.distill.tokens and options.distill.data != "generated" and text_tokens <= window:
-        raise HfcompressError(
-            f"The calibration text has {text_tokens} tokens, fewer than one distillation window of {window}: lower "
-            "--distill-seq-len or give a longer --calib-text."
-        )
+    from .distill.data import require_window
+
+    if options.distill.tokens and options.distill.data != "generated":
+        require_window(text_tokens, options.distill.seq_len - prefix_tokens)
 
 
 def _existing(path: Path) -> Path:

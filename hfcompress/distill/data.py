@@ -29,14 +29,19 @@ class DistillData:
     prefix: list[int] = field(default_factory=list)  # in front of every window: [BOS] or nothing (text.window_prefix)
 
 
+def require_window(text_tokens: int, window: int) -> None:
+    """Training windows of `window` tokens drawn from a text of `text_tokens` need a longer text."""
+    if text_tokens <= window:
+        raise HfcompressError(
+            f"The calibration text has {text_tokens} tokens, fewer than one distillation window of {window}: lower "
+            "--distill-seq-len or give a longer --calib-text."
+        )
+
+
 def window_starts(ids: torch.Tensor, seq_len: int, batch_size: int, steps: int, seed: int) -> torch.Tensor:
     """(steps, batch) random start offsets of training windows in `ids`: every step's batch is fixed by the seed, so
     a resumed run sees exactly the batches an uninterrupted one would."""
-    if len(ids) <= seq_len:
-        raise HfcompressError(
-            f"The calibration text has {len(ids)} tokens, fewer than one distillation window of {seq_len}: lower "
-            "--distill-seq-len or give a longer --calib-text."
-        )
+    require_window(len(ids), seq_len)
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(len(ids) - seq_len, (steps, batch_size), generator=generator)
 

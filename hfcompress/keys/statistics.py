@@ -46,12 +46,12 @@ def key_statistics(model: nn.Module, sequences: torch.Tensor, gradients: bool = 
 
     def on_key(entry: KeyStatistics):
         def hook(module, inputs, output):
-            flat = output.detach().reshape(-1, width).double()
+            flat = output.detach().reshape(-1, width).double().cpu()  # the statistics stay on the CPU, any device
             entry.C += flat.T @ flat
             if gradients:
 
                 def on_grad(grad: torch.Tensor) -> None:
-                    flat_grad = grad.reshape(-1, width).double()
+                    flat_grad = grad.reshape(-1, width).double().cpu()
                     entry.G.add_(flat_grad.T @ flat_grad)
 
                 output.register_hook(on_grad)
@@ -60,7 +60,7 @@ def key_statistics(model: nn.Module, sequences: torch.Tensor, gradients: bool = 
 
     def on_query(entry: KeyStatistics):
         def hook(module, inputs, output):
-            entry.q2 += output.detach().reshape(-1, queries).double().pow(2).sum(0)
+            entry.q2 += output.detach().reshape(-1, queries).double().pow(2).sum(0).cpu()
 
         return hook
 
@@ -105,7 +105,7 @@ def projected_keys(model: nn.Module, projectors: dict[int, torch.Tensor]) -> Ite
     def project(matrix: torch.Tensor):
         def hook(module, inputs, output):
             flat = output.reshape(-1, matrix.shape[0])
-            return (flat @ matrix.to(flat.dtype).T).reshape(output.shape)
+            return (flat @ matrix.to(flat.device, flat.dtype).T).reshape(output.shape)
 
         return hook
 

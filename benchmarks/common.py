@@ -2,7 +2,7 @@
 and its attention inputs, similarity and FASC statistics (cached like the pipeline's own).
 
 The conversion itself streams layer by layer (hfcompress/pipeline.py); these scripts load SmolLM2 whole to compare
-variants of one step quickly, with the library's in-memory functions (hfcompress.research: fit_lisa, compress_linears,
+variants of one step quickly, with the in-memory research driver (research/inmemory.py: fit_lisa, compress_linears,
 build_converted_model).
 """
 
@@ -13,9 +13,9 @@ import torch
 
 from hfcompress.calibrate import cache_key, collect_attention_inputs, collect_linear_stats, load_or_compute, tensor_fingerprint
 from hfcompress.config import ConvertOptions
-from hfcompress.research import measure_similarity
 from hfcompress.source import load_source, resolve_source, source_identity
 from hfcompress.token_streams import token_streams
+from research.inmemory import measure_similarity
 
 
 @dataclass

@@ -15,10 +15,10 @@ from common import prepare
 from hfcompress.config import ConvertOptions
 from hfcompress.fasc import DEFAULT_TARGETS, FascOptions
 from hfcompress.distill import DistillOptions
-from hfcompress.research import build_converted_model, compress_linears, distill_model
 from hfcompress.probe import run_probe
 from hfcompress.source import BUILTIN_SOURCE
 from hfcompress.validate import perplexity
+from research.inmemory import build_converted_model, compress_linears, distill_model
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ from common import prepare_smollm2_wiki
 
 from hfcompress.calibrate import collect_linear_stats
 from hfcompress.fasc import DEFAULT_TARGETS, FascOptions
-from hfcompress.research import compress_linears
+from research.inmemory import compress_linears
 
 BATCH = 4
 

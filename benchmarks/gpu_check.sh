@@ -2,9 +2,9 @@
 # One-command GPU check, for the first machine with a CUDA GPU (about 10 minutes on an H200):
 #   1. the machine: GPU, driver, torch/triton versions
 #   2. kernel correctness and speed on the GPU: benchmarks/kernel_speed.py --quick (the decode kernel converted models
-#      ship, kernels/, also at rank 0; the prefill and low-rank kernels kept in benchmarks/; every fused result is checked
-#      against the torch reference, benchmarks/lisa_attention_reference.py, and its max error printed, beside the
-#      kernel-vs-SDPA ratios)
+#      ship, kernels/, also at rank 0; the research prefill and low-rank kernels, research/; every fused result is
+#      checked against the torch path on the shipped reference, modeling/lisa_reference.py, and its max error printed,
+#      beside the kernel-vs-SDPA ratios)
 #   3. the kernel tests (tests/test_kernels.py: Triton interpreter vs torch reference, sm_90 compiles)
 #   4. `hfcompress convert` of the built-in SmolLM2 with --device cuda (layers onloaded to the GPU for every
 #      statistic, fit and conversion; speed side by side on the GPU), then every figure from its report

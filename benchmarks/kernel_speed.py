@@ -1,5 +1,5 @@
 """Benchmarks for the LISA kernels, bf16, one run, side by side: the decode kernel the model ships with
-(kernels/lisa_attention_triton.py) and the prefill / low-rank kernels kept here (benchmarks/lisa_prefill_triton.py).
+(kernels/lisa_attention_triton.py) and the research prefill / low-rank kernels (research/lisa_prefill_triton.py).
 
     python benchmarks/kernel_speed.py               # full set (CUDA)
     python benchmarks/kernel_speed.py --quick       # one shape per table
@@ -14,7 +14,8 @@ On CUDA it prints, per shape, medians measured in the same process:
   * decode at 8k context: achieved GB/s of the fused decode kernel vs the device peak (H200: 4.8 TB/s),
     next to SDPA decode (a normal layer reading K and V) and the eager reference;
   * lowrank_linear vs two torch GEMMs (and the dense GEMM it replaces), with event timing and CUDA-graph timing.
-Every fused result is also checked against the torch reference (max abs error printed).
+Every fused result is also checked against the torch path, the shipped reference modeling/lisa_reference.py
+(max abs error printed).
 Without CUDA it runs a tiny smoke configuration of the torch fallback path and says so; it never needs a GPU
 to exit cleanly.
 """
@@ -33,8 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-BENCHMARKS_DIR = Path(__file__).resolve().parent
-KERNELS_DIR = BENCHMARKS_DIR.parent / "kernels"
+ROOT = Path(__file__).resolve().parents[1]
 DEV = "cuda"
 DRY = False  # --cpu-dry-run: the GPU tables on tiny CPU shapes (torch path), to check this script without a GPU
 
@@ -45,17 +45,13 @@ MODELS = {  # attention shapes: heads, kv heads, head dim, low-rank r
 
 
 def load_kernels():
-    """Imports kernels/ and benchmarks/ as one private package (the files use flat relative imports, as on the Hub).
-
-    Returns (kt, ref): benchmarks/lisa_prefill_triton.py (every op behind its backend dispatch, the decode kernel
-    re-exported from kernels/) and benchmarks/lisa_attention_reference.py."""
+    """Imports kernels/, modeling/ and research/ as one private package (the files use flat relative imports, as on
+    the Hub) and returns research/lisa_prefill_triton.py: every op behind its backend dispatch, the decode kernel
+    re-exported from kernels/, and the torch paths (`*_torch`) on the shipped reference."""
     spec = importlib.machinery.ModuleSpec("_lisa_kernels", None, is_package=True)
-    spec.submodule_search_locations = [str(KERNELS_DIR), str(BENCHMARKS_DIR)]
+    spec.submodule_search_locations = [str(ROOT / "kernels"), str(ROOT / "modeling"), str(ROOT / "research")]
     sys.modules["_lisa_kernels"] = importlib.util.module_from_spec(spec)
-    return (
-        importlib.import_module("_lisa_kernels.lisa_prefill_triton"),
-        importlib.import_module("_lisa_kernels.lisa_attention_reference"),
-    )
+    return importlib.import_module("_lisa_kernels.lisa_prefill_triton")
 
 
 def bench_ms(fn, graph=False):
@@ -113,7 +109,7 @@ def max_err(a, b):
 # ------------------------------------------------------------------------------------------------
 
 
-def bench_prefill(kt, ref, quick):
+def bench_prefill(kt, quick):
     dev, dt = DEV, (torch.float32 if DRY else torch.bfloat16)
     seqs = [48] if DRY else [4096] if quick else [2048, 8192]
     print("\n== prefill: causal, bf16, B=1, r=16 (times: median ms) ==")
@@ -144,7 +140,7 @@ def bench_prefill(kt, ref, quick):
                         return kt.lisa_prefill(None, *wargs, **kw)
 
                     def run_ref(kw=kw, wargs=wargs):
-                        return ref.lisa_prefill_reference(None, *wargs, **kw)
+                        return kt.lisa_prefill_torch(None, *wargs, **kw)
                 else:
                     s_prev = safe(lambda: (q.float() @ k.float().repeat_interleave(H // Hkv, 1).transpose(-1, -2) * D**-0.5).to(dt))
                     if s_prev is None:
@@ -155,7 +151,7 @@ def bench_prefill(kt, ref, quick):
                         return kt.lisa_prefill(s_prev, *wargs, return_scores=True)
 
                     def run_ref(s_prev=s_prev, wargs=wargs):
-                        return ref.lisa_prefill_reference(s_prev, *wargs, return_scores=True)
+                        return kt.lisa_prefill_torch(s_prev, *wargs, return_scores=True)
 
                 t = safe(bench_ms, run)
                 err = None
@@ -178,12 +174,12 @@ def bench_prefill(kt, ref, quick):
                     torch.cuda.empty_cache()
 
 
-def bench_decode(kt, ref, quick, peak_gbs):
+def bench_decode(kt, quick, peak_gbs):
     dev, dt = DEV, (torch.float32 if DRY else torch.bfloat16)
     Tk = 100 if DRY else 8192
     batches = [1] if quick else [1, 16]
     es = 2  # bf16 bytes
-    print(f"\n== decode: Tk={Tk}, bf16, r=16 and 0 (--no-lowrank) (GB/s vs peak {peak_gbs:.0f} GB/s) ==")
+    print(f"\n== decode: Tk={Tk}, bf16, r=16 and 0 (rank 0: the lowrank=False ablation) (GB/s vs peak {peak_gbs:.0f} GB/s) ==")
     print(
         f"{'model':<10} {'B':>3} {'F':>3} {'r':>3} {'lisa us':>9} {'GB/s':>8} {'%peak':>6} {'splits':>6} "
         f"{'sdpa us':>9} {'sdpa GB/s':>9} {'ref us':>9} {'max err':>9}"
@@ -206,8 +202,8 @@ def bench_decode(kt, ref, quick, peak_gbs):
                 # bytes that must move: S_prev row in, S row out, low-rank keys, V (weights are negligible)
                 nbytes = (2 * B * H * Tk + B * H * Tk * rank + B * Hkv * Tk * D) * es
                 t = safe(bench_ms, lambda: kt.lisa_decode(*args))
-                ref_t = safe(bench_ms, lambda: ref.lisa_decode_reference(*args))
-                got, want = safe(kt.lisa_decode, *args), safe(ref.lisa_decode_reference, *args)
+                ref_t = safe(bench_ms, lambda: kt.lisa_decode_torch(*args))
+                got, want = safe(kt.lisa_decode, *args), safe(kt.lisa_decode_torch, *args)
                 err = None if got is None or want is None else max(max_err(got[0], want[0]), max_err(got[1], want[1]))
                 launches = safe(kt._decode_plan, *args, None, True, None)
                 splits = launches[0][0].grid[2] if launches else None
@@ -221,7 +217,7 @@ def bench_decode(kt, ref, quick, peak_gbs):
                 )
 
 
-def bench_lowrank(kt, ref, quick):
+def bench_lowrank(kt, quick):
     dev, dt = DEV, (torch.float32 if DRY else torch.bfloat16)
     shapes = [(64, 48, 16)] if DRY else [(4096, 4096, 256)] if quick else [(4096, 4096, 256), (4096, 4096, 1024), (4096, 14336, 512)]
     rows_list = [1] if quick else [1, 4, 16]
@@ -248,12 +244,12 @@ def bench_lowrank(kt, ref, quick):
                 return F.linear(x, w)
 
             res = [safe(bench_ms, f, graph=g) for g in ((False,) if DRY else (False, True)) for f in (fused, two, dense)]
-            err = safe(lambda: max_err(fused(), ref.lowrank_linear_reference(x.float(), b_w.float(), a_w.float())))
+            err = safe(lambda: max_err(fused(), kt.lowrank_linear_torch(x.float(), b_w.float(), a_w.float())))
             us = [None if t is None else t * 1e3 for t in res]
             print(f"{M:>3} {K:>6} {N:>6} {R:>5} " + " ".join(f"{fmt(u, '.1f'):>8}" for u in us) + f" {fmt(err, '.2e'):>9}")
 
 
-def cpu_smoke(kt, ref):
+def cpu_smoke(kt):
     print("CUDA is not available: GPU benchmarks skipped. Tiny CPU smoke run of the dispatch (torch reference path);")
     print("these timings say nothing about the kernels.")
     gen = torch.Generator().manual_seed(0)
@@ -283,16 +279,16 @@ def main(argv=None):
     ap.add_argument("--peak-gbs", type=float, default=4800.0, help="HBM peak for the %%peak column (H200: 4800)")
     ap.add_argument("--cpu-dry-run", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    kt, ref = load_kernels()
+    kt = load_kernels()
     if args.cpu_dry_run:  # exercise the GPU tables' code on tiny CPU tensors (torch reference path)
         global DEV, DRY
         DEV, DRY = "cpu", True
         for m in MODELS.values():
             m.update(heads=4, kv_heads=m["kv_heads"] // 8, head_dim=16, rank=4)
-        run_tables(kt, ref, args)
+        run_tables(kt, args)
         return 0
     if not torch.cuda.is_available():
-        cpu_smoke(kt, ref)
+        cpu_smoke(kt)
         return 0
     if not kt.HAS_TRITON:
         print("triton is not installed: nothing to benchmark (the torch reference is the only path)")
@@ -301,19 +297,19 @@ def main(argv=None):
     print(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}; "
           f"triton {sys.modules['triton'].__version__}")
     torch.backends.cuda.matmul.allow_tf32 = False
-    run_tables(kt, ref, args)
+    run_tables(kt, args)
     return 0
 
 
-def run_tables(kt, ref, args) -> None:
+def run_tables(kt, args) -> None:
     """The tables --only asks for (all by default), decode first."""
     only = set(args.only or ["prefill", "decode", "lowrank"])
     if "decode" in only:
-        bench_decode(kt, ref, args.quick, args.peak_gbs)
+        bench_decode(kt, args.quick, args.peak_gbs)
     if "lowrank" in only:
-        bench_lowrank(kt, ref, args.quick)
+        bench_lowrank(kt, args.quick)
     if "prefill" in only:
-        bench_prefill(kt, ref, args.quick)
+        bench_prefill(kt, args.quick)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """LISA ablations on the built-in SmolLM2-135M-Instruct, side by side in one run: the same shared layers, the
-same calibration and held-out tokens, one row per registered variant (`research.ABLATIONS`: named LisaOptions, so
-every row is a conversion the CLI can make too).
+same calibration and held-out tokens, one row per registered variant (`research.inmemory.ABLATIONS`: named
+LisaOptions; "direct" and "align only" are ablations the CLI does not offer).
 
     python benchmarks/lisa_ablations.py --ratio 0.2 --steps 100
 
@@ -18,10 +18,10 @@ from common import prepare
 
 from hfcompress.config import ConvertOptions
 from hfcompress.lisa import LisaOptions, select_layers
-from hfcompress.research import ABLATIONS, build_converted_model, fit_lisa
 from hfcompress.source import BUILTIN_SOURCE
 from hfcompress.speed import hardware_description, measure_speed
 from hfcompress.validate import perplexity
+from research.inmemory import ABLATIONS, build_converted_model, fit_lisa
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ from dataclasses import replace
 import torch
 from common import prepare_smollm2_wiki
 
+from hfcompress.build import in_converted_classes
 from hfcompress.lisa import (
     LisaOptions,
     attention_output,
@@ -28,7 +29,6 @@ from hfcompress.lisa import (
     rotary,
     rows,
 )
-from hfcompress.research import in_converted_classes
 
 HELD_OUT = 16
 # (label, LisaOptions overrides of the previous defaults, OLD); the rank follows from qk_compression and lowrank_keys as

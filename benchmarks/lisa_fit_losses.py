@@ -14,8 +14,8 @@ from common import prepare
 
 from hfcompress.config import ConvertOptions
 from hfcompress.lisa import LisaOptions, select_layers
-from hfcompress.research import fit_lisa
 from hfcompress.source import BUILTIN_SOURCE
+from research.inmemory import fit_lisa
 
 
 def main() -> None:

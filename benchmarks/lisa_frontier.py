@@ -15,9 +15,9 @@ from common import prepare
 from hfcompress.config import ConvertOptions
 from hfcompress.distill import DistillOptions
 from hfcompress.lisa import LisaOptions, select_layers
-from hfcompress.research import build_converted_model, distill_model, fit_lisa
 from hfcompress.source import BUILTIN_SOURCE
 from hfcompress.validate import perplexity
+from research.inmemory import build_converted_model, distill_model, fit_lisa
 
 
 def main() -> None:

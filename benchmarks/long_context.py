@@ -1,5 +1,5 @@
 """Long-context speed of an original model against its conversion: KV cache after the prompt, decode and prefill
-tokens/s, in one process, repetitions interleaved, medians (hfcompress/speed.py: long_context_speed).
+tokens/s, in one process, repetitions interleaved, medians (research/long_context.py: long_context_speed).
 
     python benchmarks/long_context.py --converted DIR [--original smollm2-135m-instruct] [--repeats 3]
         [--long-repeats 1] [--new-tokens 16] [--grid decode:1x512,decode:4x2048,...] [--threads N]
@@ -24,7 +24,8 @@ from transformers import AutoModelForCausalLM
 from hfcompress.card import write_card
 from hfcompress.report import REPORT_FILE
 from hfcompress.source import BUILTIN_SOURCE, load_source, resolve_source
-from hfcompress.speed import LONG_CONTEXT_GRID, cell_name, hardware_description, long_context_speed, long_context_table
+from hfcompress.speed import hardware_description
+from research.long_context import LONG_CONTEXT_GRID, cell_name, long_context_speed, long_context_table
 
 
 def parse_grid(text: str) -> list[tuple[str, int, int]]:

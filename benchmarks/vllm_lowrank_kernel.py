@@ -1,4 +1,4 @@
-"""The attention of a LISA shared layer in vLLM (hfcompress/vllm_plugin/lowrank.py): the C++ kernel
+"""The attention of a LISA shared layer in vLLM (vllm-plugin/src/hfcompress_vllm/lowrank.py): the C++ kernel
 (lisa_attention.cpp, reading the paged caches in place) against the torch reference (`attend`: gathers, matmuls) and
 against what the layer costs unshared (vLLM's own CPU attention of a full layer over the root's cache, the same
 requests), one call on SmolLM2-135M's shapes (9 query heads of 64, 3 KV heads, low-rank keys per KV group at rank 20,
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm"))
 
 from lisa_problem import random_problem  # noqa: E402
 
-from hfcompress.vllm_plugin.lowrank import kernel_attention, lisa_kernel, torch_attention  # noqa: E402
+from hfcompress_vllm.lowrank import kernel_attention, lisa_kernel, torch_attention  # noqa: E402
 
 
 def main() -> None:

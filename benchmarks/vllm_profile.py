@@ -33,7 +33,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from hfcompress.vllm_plugin import exit_cleanly
+    from hfcompress_vllm import exit_cleanly
 
     llm = LLM(model=args.model, dtype="float32", enforce_eager=not args.compiled, max_model_len=args.prompt_len + args.new_tokens + 16,
               max_num_seqs=args.concurrency, enable_prefix_caching=False, max_num_batched_tokens=2048, seed=0,

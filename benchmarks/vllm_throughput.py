@@ -36,7 +36,7 @@ def worker(model: str, dtype: str, max_len: int, concurrency: int, batched_token
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from hfcompress.vllm_plugin import exit_cleanly
+    from hfcompress_vllm import exit_cleanly
 
     llm = LLM(
         model=model, dtype=dtype, max_model_len=max_len, max_num_seqs=concurrency, enable_prefix_caching=False, seed=0,
@@ -48,7 +48,7 @@ def worker(model: str, dtype: str, max_len: int, concurrency: int, batched_token
     layout = {}
     hf_config = llm.llm_engine.vllm_config.model_config.hf_config
     if hasattr(hf_config, "lisa_layers"):
-        from hfcompress.vllm_plugin.model import kv_layout
+        from hfcompress_vllm.model import kv_layout
 
         layout = {str(k): v for k, v in kv_layout(llm.llm_engine.vllm_config).items() if v != "plain"}
     text_ids = real_text_ids(llm.get_tokenizer())
@@ -169,7 +169,7 @@ def write_results(args, models: dict, info: dict, rates: dict, lengths: list[int
             + " | ".join(f"{m:.1f}" for m in medians) + " | "
             + " | ".join(f"{m / b:.3f}x" for m, b in zip(medians, base_medians)) + " |"
         )
-    lines += ["", "Cache layout of the converted layers (hfcompress.vllm_plugin.model.kv_layout; unlisted layers: plain):", ""]
+    lines += ["", "Cache layout of the converted layers (hfcompress_vllm.model.kv_layout; unlisted layers: plain):", ""]
     for name in models:
         if info[name]["kv_layout"]:
             lines.append(f"- {name} ({models[name]}): " + "; ".join(f"{k}: {v}" for k, v in info[name]["kv_layout"].items()))

@@ -11,6 +11,7 @@ from accelerate import init_empty_weights
 from safetensors import safe_open
 from torch import nn
 
+from . import __version__
 from .errors import HfcompressError
 from .families import family_for, family_of
 from .lisa.weights import is_lisa_parameter
@@ -23,11 +24,14 @@ def converted_config(original_config, entries: dict):
     family = family_of(original_config)
     config_cls, _ = family.remote_classes()
     base = original_config.to_dict()
-    for key in ("model_type", "architectures", "auto_map", "quantization_config", "transformers_version", *entries):
+    for key in ("model_type", "architectures", "auto_map", "quantization_config", "transformers_version", "hfcompress_version", *entries):
         base.pop(key, None)
     config = config_cls(**base, **entries)
     config.architectures = [family.causal_lm_class]
     config.auto_map = family.auto_map
+    # the converter's version: the vLLM plugin (hfcompress-vllm) serves only the models of its own version and reads
+    # config.json alone before any model work (the remote code ignores the field)
+    config.hfcompress_version = __version__
     return config
 
 

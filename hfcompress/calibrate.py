@@ -30,8 +30,8 @@ def cache_key(*parts: object) -> str:
 
 
 # modules that compute nothing a conversion caches (serving in vLLM, the eval and analyze commands, the card, plots,
-# pushing, the benchmarks' in-memory API): editing them keeps the calibration cache
-NOT_CACHED = ("vllm_plugin", "vllm_engine.py", "evaluate.py", "harness.py", "analyze.py", "card.py", "plots.py", "push.py", "research.py")
+# pushing): editing them keeps the calibration cache
+NOT_CACHED = ("vllm_engine.py", "evaluate.py", "harness.py", "analyze.py", "card.py", "plots.py", "push.py")
 
 
 def fingerprinted_sources(package: Path) -> list[Path]:

@@ -13,6 +13,7 @@ from .errors import (
     INTERRUPTED_EXIT, WRITE_FAILED_EXIT, HfcompressError, Terminated, left_by, redact, termination_as_interrupt,
 )
 from .fasc import FascOptions
+from .keys import KeyOptions
 from .families import FAMILIES
 from .lisa import DEFAULT_SHARE_RATIO, LisaOptions
 from .options import option_spec
@@ -148,11 +149,11 @@ def convert(
     qk_compression: float = option(LisaOptions, "qk_compression"),
     lisa_align: str = option(LisaOptions, "align"),
     align_hidden: int = option(LisaOptions, "align_hidden"),
-    lowrank: bool = option(LisaOptions, "lowrank"),
     lisa_lowrank_keys: str = option(LisaOptions, "lowrank_keys"),
     lisa_group_heads: bool = option(LisaOptions, "group_heads"),
     lisa_steps: int = option(LisaOptions, "steps"),
     lisa_batch_size: int = option(LisaOptions, "batch_size"),
+    kv_budget: float = option(KeyOptions, "kv_budget"),
     fasc_budget: float = option(FascOptions, "budget"),
     fasc_method: str = option(FascOptions, "method"),
     fasc_targets: str = option(FascOptions, "targets", default=",".join(FascOptions.targets)),
@@ -181,9 +182,6 @@ def convert(
     max_shard_size: str = option(OutputOptions, "max_shard_size"),
     quantize_weights: str = option(QuantizeOptions, "weights"),
     licence_file: list[Path] = option(OutputOptions, "licence_files", default=None),
-    layer_by_layer: bool = typer.Option(
-        False, "--layer-by-layer", hidden=True, help="No effect: every conversion streams layer by layer."
-    ),
 ) -> None:
     """Convert SOURCE into a LISA model of its family (LisaLlama, LisaQwen2, ...), validate it, write --out and optionally push it."""
 
@@ -226,13 +224,13 @@ def convert(
                 qk_compression=qk_compression,
                 align=lisa_align,
                 align_hidden=align_hidden,
-                lowrank=lowrank,
                 lowrank_keys=lisa_lowrank_keys,
                 group_heads=lisa_group_heads,
                 steps=lisa_steps,
                 batch_size=lisa_batch_size,
                 seed=seed,
             ),
+            keys=KeyOptions(kv_budget=kv_budget),
             fasc=FascOptions(
                 method=fasc_method,
                 budget=fasc_budget,
@@ -251,10 +249,6 @@ def convert(
                 data=distill_data,
             ),
         ).validate()  # every value and combination, before any network or model work
-        if layer_by_layer:
-            from .progress import console
-
-            console.log("--layer-by-layer has no effect any more: every conversion streams one layer at a time.")
         from .atomic import remove_leftovers
         from .pipeline import convert as run_convert
 
@@ -326,7 +320,7 @@ def evaluate(
     lm_eval_fewshot: int = typer.Option(None, help="lm-eval few-shot examples (default: each task's own)."),
     lm_eval_limit: float = typer.Option(None, help="lm-eval documents per task (below 1: a fraction); for quick checks only."),
     json_out: Path = typer.Option(None, "--json", help="Also write the results as JSON."),
-    engine: str = typer.Option("transformers", help="Perplexity of MODEL through transformers (the remote code) or vllm (served by vLLM with the hfcompress plugin, from .venv-vllm: scripts/install_vllm.sh)."),
+    engine: str = typer.Option("transformers", help="Perplexity of MODEL through transformers (the remote code) or vllm (served by vLLM with the hfcompress-vllm plugin, in the environment HFCOMPRESS_VLLM_PYTHON names: docs/serving-vllm.md)."),
     kv_cache_dtype: str = typer.Option(None, help="With --engine vllm: vLLM's KV cache dtype (auto, fp8, fp8_e4m3, fp8_e5m2), passed to the engine as its kv_cache_dtype."),
 ) -> None:
     """Perplexity, factual recall, speed and lm-eval tasks of a converted model (and its baseline, same tokens, same run)."""

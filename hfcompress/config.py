@@ -24,6 +24,7 @@ from .distill import DistillOptions
 from .distill.options import launched_processes
 from .errors import HfcompressError
 from .fasc import FascOptions
+from .keys import KeyOptions
 from .lisa import LisaOptions
 from .options import at_least, option
 from .paths import default_cache_dir
@@ -181,15 +182,16 @@ class ConvertOptions(TextOptions, OutputOptions, DeviceOptions):
     )  # fmt: skip
     lisa: LisaOptions = field(default_factory=LisaOptions)
     fasc: FascOptions = field(default_factory=FascOptions)
+    keys: KeyOptions = field(default_factory=KeyOptions)
     distill: DistillOptions = field(default_factory=DistillOptions)
     quantize: QuantizeOptions = field(default_factory=QuantizeOptions)
 
     @property
     def changes_layers(self) -> bool:
-        """Whether a method creates parameters (shares a layer, or factorises one): what distillation can train. A plan
-        that only drops attention creates none."""
+        """Whether a method creates parameters (shares a layer, factorises one, compresses keys): what distillation can
+        train. A plan that only drops attention creates none."""
         shares = self.lisa.plan != "drop" and not (self.lisa.layers == [] or self.lisa.share_ratio == 0)
-        return shares or self.fasc.budget < 1.0
+        return shares or self.fasc.budget < 1.0 or self.keys.kv_budget < 1.0
 
     def validate(self) -> "ConvertOptions":
         """Raise one HfcompressError naming the first bad value or combination; cheap, touches no network. Each group
@@ -207,6 +209,7 @@ class ConvertOptions(TextOptions, OutputOptions, DeviceOptions):
         self.check_destination()
         self.lisa.validate()
         self.fasc.validate()
+        self.keys.validate()
         self.distill.validate()
         if self.distill.tokens and not self.distill.trains_something(self.changes_layers):
             raise HfcompressError(
@@ -250,7 +253,9 @@ class ConvertOptions(TextOptions, OutputOptions, DeviceOptions):
     def check_against_model(self, config) -> None:
         """Checks that need the source's config (layer count, attention types and shapes), each group's own; run before
         calibration."""
-        self.lisa.check_against_model(converted_config(config, {}))  # the family's view: attention types per layer, head_dim
+        converted = converted_config(config, {})  # the family's view: attention types per layer, head_dim
+        self.lisa.check_against_model(converted)
+        self.keys.check_against_model(converted)
 
 
 def check_device(device: str) -> None:

@@ -100,10 +100,10 @@ def evaluate(
     check_model_argument(model_name, trust_remote_code)  # a missing or plain directory: before anything loads
     if engine not in ("transformers", "vllm"):
         raise HfcompressError(f"--engine must be transformers or vllm, got {engine!r}.")
-    if engine == "vllm":  # vLLM's environment exists: before anything loads
-        from .vllm_engine import vllm_python
+    if engine == "vllm":  # vLLM's environment exists and serves this model: before anything loads
+        from .vllm_engine import check_vllm_environment, vllm_python
 
-        vllm_python()
+        check_vllm_environment(vllm_python(), model_name)
     check_text_option(eval_text, "evaluation")  # a bad text option fails before any model loads
     check_text_option(ood_text, "other-domain")
     report_path = Path(model_name) / REPORT_FILE

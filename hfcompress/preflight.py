@@ -61,14 +61,14 @@ CHECKED_OPTIONS = {
     "--drop-attention-layers": "1: >= 1, against --lisa-layers; 5: in range",
     "--lisa-max-chain": "1: >= 1, not with --lisa-layers; 5: the layers a ratio can reach",
     "--qk-compression": "1: > 1; 5: the low-rank rank it gives",
-    "--lisa-align": "1: dense, sparse or identity",
+    "--lisa-align": "1: dense or sparse",
     "--align-hidden": "1: >= 0",
-    "--lowrank": "5: the low-rank rank",
     "--lisa-lowrank-keys": "1: group or head; 5: the low-rank rank",
     "--lisa-group-heads": "1: only with --lisa-align sparse",
     "--lisa-steps": "1: >= 0",
     "--lisa-batch-size": "1: >= 1",
     "--fasc-budget": "1: in (0, 1]",
+    "--kv-budget": "1: in (0.5, 1]; 5: every layer keeps its values and 8 key values a token",
     "--fasc-method": "1: fisher, whiten, svd or pca",
     "--fasc-targets": "1: linears FASC can factorise",
     "--fasc-rho-keep": "1: >= 0",
@@ -96,7 +96,6 @@ CHECKED_OPTIONS = {
     "--max-shard-size": "1: a size of at least 1KB",
     "--quantize-weights": "1: a scheme with its backend installed",
     "--licence-file": "1: files that exist and are not model files",
-    "--layer-by-layer": "flag (hidden, no effect)",
 }
 LOCK_SUFFIX = ".lock"  # .<out name>.lock beside --out
 DISK_MARGIN = 1.1  # estimates are of the tensors; files add headers, logs and the card

@@ -1,6 +1,6 @@
 """The methods and finishers the driver runs: importing their modules registers them (methods.register)."""
 
-from . import distill, fasc, lisa  # noqa: F401  (each registers its units on import)
+from . import distill, fasc, keys, lisa  # noqa: F401  (each registers its units on import)
 from .methods import FINISHERS, METHODS, Finisher, Method
 
 

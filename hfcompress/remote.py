@@ -5,7 +5,8 @@ files use flat relative imports (that is how transformers loads remote code), so
 as one synthetic package whose search path spans both folders. Only the files the model imports ship: the modules
 named in the family's auto_map and, transitively, every module they import relatively (`remote_code_files`); the
 kernels/ files only with a model that has a layer they serve (`uses_kernels`), and without them the modeling's guarded
-kernel import is left out of the copy that ships (`write_remote_code`).
+kernel import is left out of the copy that ships (`write_remote_code`). One file more ships with every model that has a
+LISA layer, imported by nothing: the shared layer's reference (`REFERENCE_MODULE`), that its paths are tested against.
 """
 
 import ast
@@ -20,6 +21,9 @@ from types import ModuleType
 from transformers.dynamic_module_utils import get_relative_imports
 
 PACKAGE_NAME = "hfcompress_remote_code"
+# modeling/lisa_reference.py: the shared-layer attention written plainly, for whoever checks a path of the model (a
+# port, a kernel) against it; torch only, so it needs nothing else in the repo
+REFERENCE_MODULE = "lisa_reference"
 _HERE = Path(__file__).resolve().parent
 
 
@@ -119,10 +123,14 @@ def _without_kernel_imports(path: Path) -> str:
 
 def write_remote_code(config: dict, directory: Path) -> list[str]:
     """Copy into `directory` (a converted model's repo) the remote-code files its config (config.json's dict) needs:
-    `remote_code_files` of its auto_map, the kernels/ files only where `uses_kernels`. The names written."""
+    `remote_code_files` of its auto_map, the kernels/ files only where `uses_kernels`, and the reference where a layer
+    is a LISA layer. The names written."""
     kernels = uses_kernels(config)
+    files = remote_code_files(config["auto_map"], kernels=kernels)
+    if config.get("lisa_layers"):
+        files.append(modeling_dir() / f"{REFERENCE_MODULE}.py")
     names = []
-    for file in remote_code_files(config["auto_map"], kernels=kernels):
+    for file in files:
         if kernels or not set(relative_imports(file)) & _kernel_modules():
             shutil.copy2(file, directory / file.name)
         else:

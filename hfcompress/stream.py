@@ -114,6 +114,8 @@ class LayerStream:
         mask = causal_mask(seq_len, device=self.device, window=window)
         cos_sin = self.cos_sin(seq_len, layer.layer_idx)  # of the layer's attention type
         positions = torch.arange(seq_len, device=self.device).unsqueeze(0)
+        kind = self.config.attention_types[layer.layer_idx]
+        key_rotary = self.lisa_attention.KeyRotary(self.rotary_emb, hidden[:1, :1].to(self.device), kind)  # low-rank keys
         outputs, passed = [], []
         for start in range(0, len(hidden), self.batch_size):
             part = slice(start, start + self.batch_size)
@@ -121,6 +123,7 @@ class LayerStream:
             out, handed = layer(
                 batch, attention_mask=mask, additive_mask=mask, position_ids=positions.expand(len(batch), -1),
                 position_embeddings=cos_sin, prev=_move(_part(prev, part), self.device), handoff=handoff,
+                key_rotary=key_rotary,
             )
             outputs.append(out.to(home))
             passed.append(_move(handed, home) if handoff else None)

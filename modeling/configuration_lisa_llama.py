@@ -13,7 +13,7 @@ from .configuration_lisa import FAMILIES, LisaConfigMixin
 @strict
 class LisaLlamaConfig(LisaConfigMixin, LlamaConfig):
     r"""
-    A `LlamaConfig` plus `lisa_layers`, `fasc_ranks` and `dropped_attention_layers` (see `LisaConfigMixin`). Every
+    A `LlamaConfig` plus the conversion specs of `LisaConfigMixin`. Every
     layer has full attention.
     """
 
@@ -21,6 +21,7 @@ class LisaLlamaConfig(LisaConfigMixin, LlamaConfig):
 
     lisa_layers: dict | None = None
     fasc_ranks: dict | None = None
+    key_ranks: dict | None = None
     dropped_attention_layers: list | None = None
 
     def __post_init__(self, **kwargs):

@@ -13,7 +13,7 @@ from .configuration_lisa import FAMILIES, LisaConfigMixin
 @strict
 class LisaMistralConfig(LisaConfigMixin, MistralConfig):
     r"""
-    A `MistralConfig` plus `lisa_layers`, `fasc_ranks` and `dropped_attention_layers` (see `LisaConfigMixin`).
+    A `MistralConfig` plus the conversion specs of `LisaConfigMixin`.
     Every layer attends within the last `sliding_window` positions, or to all of them when it is None.
     """
 
@@ -21,6 +21,7 @@ class LisaMistralConfig(LisaConfigMixin, MistralConfig):
 
     lisa_layers: dict | None = None
     fasc_ranks: dict | None = None
+    key_ranks: dict | None = None
     dropped_attention_layers: list | None = None
 
     def __post_init__(self, **kwargs):

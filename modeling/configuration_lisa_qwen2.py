@@ -13,7 +13,7 @@ from .configuration_lisa import FAMILIES, LisaConfigMixin
 @strict
 class LisaQwen2Config(LisaConfigMixin, Qwen2Config):
     r"""
-    A `Qwen2Config` plus `lisa_layers`, `fasc_ranks` and `dropped_attention_layers` (see `LisaConfigMixin`).
+    A `Qwen2Config` plus the conversion specs of `LisaConfigMixin`.
 
     layer_types (`list[str]`): per layer, the type of its cache layer: the attention type Qwen2 gives it (from
         `use_sliding_window` and `max_window_layers`, or the source's own list), "lisa_"-prefixed for a LISA layer.
@@ -24,6 +24,7 @@ class LisaQwen2Config(LisaConfigMixin, Qwen2Config):
 
     lisa_layers: dict | None = None
     fasc_ranks: dict | None = None
+    key_ranks: dict | None = None
     dropped_attention_layers: list | None = None
     head_dim: int | None = None
 

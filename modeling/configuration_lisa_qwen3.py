@@ -13,7 +13,7 @@ from .configuration_lisa import FAMILIES, LisaConfigMixin
 @strict
 class LisaQwen3Config(LisaConfigMixin, Qwen3Config):
     r"""
-    A `Qwen3Config` plus `lisa_layers`, `fasc_ranks` and `dropped_attention_layers` (see `LisaConfigMixin`).
+    A `Qwen3Config` plus the conversion specs of `LisaConfigMixin`.
 
     layer_types (`list[str]`): per layer, the type of its cache layer: the attention type Qwen3 gives it (from
         `use_sliding_window` and `max_window_layers`, or the source's own list), "lisa_"-prefixed for a LISA layer.
@@ -23,6 +23,7 @@ class LisaQwen3Config(LisaConfigMixin, Qwen3Config):
 
     lisa_layers: dict | None = None
     fasc_ranks: dict | None = None
+    key_ranks: dict | None = None
     dropped_attention_layers: list | None = None
 
     def __post_init__(self, **kwargs):

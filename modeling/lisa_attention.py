@@ -62,7 +62,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward, repeat_kv
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward, repeat_kv, rotate_half
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
@@ -72,8 +72,8 @@ from transformers.utils.output_capturing import capture_outputs
 from .configuration_lisa import DEFAULT_ALIGN, lisa_spec, uses_fused_decode
 
 # the fused GPU decode kernel (kernels/), for dense-Align layers with one low-rank key per head; the torch path below is
-# the reference and the CPU path. A converted repo ships it only if one of its layers uses it: the copy of this file in
-# any other repo raises ImportError in place of this import (hfcompress/remote.py)
+# the CPU path (both are tested against lisa_reference.py). A converted repo ships it only if one of its layers uses
+# it: the copy of this file in any other repo raises ImportError in place of this import (hfcompress/remote.py)
 try:
     from .lisa_kernels import fused_lisa_decode, triton_available
 except ImportError:  # kernels not shipped, or triton missing
@@ -500,6 +500,10 @@ class LisaAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias["k_proj"])
         self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias["v_proj"])
         self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=bias["o_proj"])
+        # low-rank keys (`config.key_ranks`): the cache holds z = B k (proj_in), the queries read RoPE(A z) (proj_out)
+        key_rank = config.key_ranks.get(str(layer_idx))
+        width = kv_heads * self.head_dim
+        self.key_latent = FascLinear(width, width, key_rank) if key_rank else None
         self.attention_weights = LisaAttentionWeights()
 
     def qk_norm(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -516,6 +520,27 @@ class LisaAttention(nn.Module):
         query, key = self.qk_norm(query, self.k_proj(hidden_states).view(hidden_shape))
         return apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), *position_embeddings)
 
+    def latent_query_key_value(
+        self, hidden_states: torch.Tensor, value: torch.Tensor, cache: Cache | None, rotary: "KeyRotary"
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Rotated query (B, H, Tq, D), keys (B, KV, Tk, D) and values of a layer with low-rank keys. The cache holds the
+        latent z = B k (B, 1, T, r); the keys are A z of every cached token, rotated at their positions in the cache
+        (`get_mask_sizes`' offset: a sliding window's first kept token), the query at its own. Scores depend on
+        position differences only, so this equals RoPE at `position_ids` wherever they differ from the cache positions
+        by a constant per sequence (left padding included)."""
+        hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        query, key = self.qk_norm(self.q_proj(hidden_states).view(hidden_shape), self.k_proj(hidden_states).view(hidden_shape))
+        latent = self.key_latent.proj_in(key.flatten(-2)).unsqueeze(1)
+        q_len, offset = query.shape[1], 0
+        # rotated before the update: a static cache's length is a tensor that the update increments in place
+        query = rotate(query.transpose(1, 2), *rotary(cache.get_seq_length(self.layer_idx) if cache is not None else 0, q_len))
+        if cache is not None:
+            offset = cache.get_mask_sizes(q_len, self.layer_idx)[1]
+            latent, value = cache.update(latent, value, self.layer_idx)
+        key = self.key_latent.proj_out(latent.squeeze(1))
+        key = key.view(*key.shape[:-1], -1, self.head_dim).transpose(1, 2)
+        return query, rotate(key, *rotary(offset, key.shape[2])), value
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -525,15 +550,20 @@ class LisaAttention(nn.Module):
         cache: Cache | None = None,
         handoff: str | None = None,
         output_attentions: bool = False,
+        key_rotary: "KeyRotary | None" = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | tuple | None]:
         """(output, what it hands to the next layer). `additive_mask` is the mask of materialised scores (`score_mask`),
-        `attention_mask` the backend's; both of this layer's attention type."""
+        `attention_mask` the backend's; both of this layer's attention type. `key_rotary`: RoPE at given positions, for
+        a layer with low-rank keys."""
         input_shape = hidden_states.shape[:-1]
-        query, key = self.query_key(hidden_states, position_embeddings)
         value = self.v_proj(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)
-        if cache is not None:
-            key, value = cache.update(key, value, self.layer_idx)
+        if self.key_latent is not None:
+            query, key, value = self.latent_query_key_value(hidden_states, value, cache, key_rotary)
+        else:
+            query, key = self.query_key(hidden_states, position_embeddings)
+            if cache is not None:
+                key, value = cache.update(key, value, self.layer_idx)
 
         q_len, kv_len = query.shape[2], key.shape[2]
         if handoff == "scores" or (handoff and q_len == 1) or output_attentions:
@@ -581,6 +611,33 @@ class LisaQkNormAttention(LisaAttention):
 
     def qk_norm(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.q_norm(query), self.k_norm(key)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of x (B, heads, T, D) with (cos, sin) of shape (1 or B, T, D): apply_rotary_pos_emb's formula for one tensor."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+class KeyRotary:
+    """RoPE (cos, sin) of one attention type at positions start..start + length - 1: what a layer with low-rank keys
+    rotates its rebuilt keys and its query with. One per forward and attention type: the layers of one type rotate the
+    same positions, computed once (a start held in a tensor, a static cache's, is computed each time: reading it would
+    wait for the device)."""
+
+    def __init__(self, rotary: nn.Module, x: torch.Tensor, attention_type: str):
+        self.rotary, self.x, self.attention_type = rotary, x, attention_type
+        self.memo: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, start: int | torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (start, length) if isinstance(start, int) else None
+        if key in self.memo:
+            return self.memo[key]
+        positions = (torch.arange(length, device=self.x.device) + start).unsqueeze(0)
+        cos_sin = rotary_embeddings(self.rotary, self.x, positions, [self.attention_type])[self.attention_type]
+        if key is not None:
+            self.memo[key] = cos_sin
+        return cos_sin
 
 
 def rope_theta(config, attention_type: str = "full_attention") -> float:
@@ -833,11 +890,13 @@ class LisaDecoderLayer(GradientCheckpointingLayer):
         handoff: str | None = None,
         lowrank_position_embeddings: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
         output_attentions: bool = False,
+        key_rotary: KeyRotary | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | tuple | None]:
-        """(hidden states, what this layer hands to the next one). The masks and `position_embeddings` are those of this
-        layer's attention type. `lowrank_position_embeddings`: (rank, attention type) -> `lowrank_rotary` of
-        `position_ids`, computed once for all layers. Under gradient checkpointing `prev` is a keyword argument, so only
+        """(hidden states, what this layer hands to the next one). The masks, `position_embeddings` and `key_rotary` (a
+        layer with low-rank keys rotates with it) are those of this layer's attention type.
+        `lowrank_position_embeddings`: (rank, attention type) -> `lowrank_rotary` of `position_ids`, computed once for
+        all layers. Under gradient checkpointing `prev` is a keyword argument, so only
         the non-reentrant checkpoint (transformers' default) sees it and its gradient."""
         if self.attention_free:  # no attention: it hands nothing on (the layer above is never a LISA layer)
             return self.after_attention(hidden_states, None), None
@@ -853,7 +912,7 @@ class LisaDecoderLayer(GradientCheckpointingLayer):
         else:
             attn_out, passed = self.self_attn(
                 normed, position_embeddings, attention_mask, additive_mask, cache=cache, handoff=handoff,
-                output_attentions=output_attentions, **kwargs,
+                output_attentions=output_attentions, key_rotary=key_rotary, **kwargs,
             )  # fmt: skip
         return self.after_attention(residual, attn_out), passed
 
@@ -931,6 +990,7 @@ class LisaModel(LisaPreTrainedModel):
         self.mask_types = list(dict.fromkeys(self.attention_types))  # one mask per attention type
         # the attention types whose layers materialise scores (a LISA layer and its anchor share one)
         self.lisa_types = {self.attention_types[int(idx)] for idx in config.lisa_layers}
+        self.key_types = {self.attention_types[int(idx)] for idx in config.key_ranks}  # with low-rank key layers
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -958,7 +1018,7 @@ class LisaModel(LisaPreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
-        if cache is not None and "sliding_attention" in self.lisa_types:
+        if cache is not None and "sliding_attention" in self.lisa_types | self.key_types:
             bind_sliding_windows(cache, self.config.sliding_window)
         batch, q_len = inputs_embeds.shape[:2]
         if position_ids is None:
@@ -970,7 +1030,10 @@ class LisaModel(LisaPreTrainedModel):
             config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
             position_ids=position_ids,
         )  # fmt: skip
-        causal_masks = {kind: MASK_FUNCTIONS[kind](**mask_kwargs) for kind in self.mask_types}
+        if isinstance(attention_mask, dict):  # generate's masks by layer type (a static cache, standard types only)
+            causal_masks = {kind: attention_mask[kind] for kind in self.mask_types}
+        else:
+            causal_masks = {kind: MASK_FUNCTIONS[kind](**mask_kwargs) for kind in self.mask_types}
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
         additive_masks = {
             kind: score_mask(**mask_kwargs, causal_mask=mask, attention_type=kind)
@@ -984,6 +1047,7 @@ class LisaModel(LisaPreTrainedModel):
             (rank, kind): lowrank_rotary(self.config, rank, position_ids, hidden_states.dtype, kind)
             for rank in self.lowrank_ranks for kind in self.lisa_types
         }  # fmt: skip
+        key_rotaries = {kind: KeyRotary(self.rotary_emb, hidden_states, kind) for kind in self.key_types}
         passed = None
         for layer, handoff, kind in zip(self.layers, self.handoffs, self.attention_types):
             hidden_states, passed = layer(
@@ -997,6 +1061,7 @@ class LisaModel(LisaPreTrainedModel):
                 handoff=handoff,
                 lowrank_position_embeddings=lowrank_position_embeddings,
                 output_attentions=output_attentions,
+                key_rotary=key_rotaries.get(kind),
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)

@@ -31,7 +31,7 @@ def test_kv_cache_dtype_reaches_the_engine(tmp_path, monkeypatch):
 
     fake = tmp_path / "python"
     fake.write_text(
-        f"#!{sys.executable}\nimport json, shutil, sys\n"  # argv: -m hfcompress.vllm_plugin.score MODEL WINDOWS OUT
+        f"#!{sys.executable}\nimport json, shutil, sys\n"  # argv: -m hfcompress_vllm.score MODEL WINDOWS OUT
         f"shutil.copy(sys.argv[4], {str(tmp_path / 'request.json')!r})\n"
         "windows = json.load(open(sys.argv[4]))['windows']\n"
         "json.dump({'nll': [[1.0] * (len(w) - 1) for w in windows]}, open(sys.argv[5], 'w'))\n"

@@ -24,7 +24,8 @@ BAD = [
     (["--lisa-layers", "0,3"], "layer 0 has no layer below it"),
     (["--lisa-layers", "three"], "comma-separated layer numbers"),
     (["--lisa-ppl-budget", "0"], "--lisa-ppl-budget must be a percentage > 0"),
-    (["--lisa-align", "magic"], "dense, sparse, identity"),
+    (["--lisa-align", "magic"], "dense, sparse"),
+    (["--lisa-align", "identity"], "Unknown --lisa-align 'identity': choose one of dense, sparse"),  # a research ablation
     (["--lisa-lowrank-keys", "kv"], "Unknown --lisa-lowrank-keys 'kv': choose one of head, group"),
     (["--qk-compression", "1"], "--qk-compression must be > 1"),
     (["--lisa-max-chain", "0"], "--lisa-max-chain must be a whole number >= 1"),

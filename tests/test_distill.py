@@ -17,7 +17,6 @@ from hfcompress.distill import (
 )
 from hfcompress.errors import HfcompressError
 from hfcompress.lisa import LisaOptions
-from hfcompress.research import build_converted_model, fit_lisa, measure_similarity
 from hfcompress.gate import quality_gate
 from hfcompress.text import (
     NEWS_TEXT_NAME,
@@ -27,6 +26,7 @@ from hfcompress.text import (
     tokenize,
 )
 from hfcompress.validate import PerplexityResult
+from research.inmemory import build_converted_model, fit_lisa, measure_similarity
 
 OPTIONS = DistillOptions(tokens=8 * 2 * 32, seq_len=32, batch_size=2, lr=5e-3, curve_tokens=128)
 

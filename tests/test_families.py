@@ -45,8 +45,7 @@ from transformers import (
 )
 from typer.testing import CliRunner
 
-from hfcompress.build import assemble, converted_config
-from hfcompress.research import build_converted_model
+from hfcompress.build import assemble, converted_config, in_converted_classes
 from hfcompress.checkpoint import Checkpoint
 from hfcompress.cli import app
 from hfcompress.families import FAMILIES, family_of
@@ -137,7 +136,7 @@ def test_unconverted_model_equals_transformers(name, checkpoints):
     with the cache and without."""
     original, _ = load_source(resolve_source(str(checkpoints[name])))
     assert type(original) is CASES[name][1]
-    converted = build_converted_model(original, [], {})
+    converted = in_converted_classes(original)
     assert type(converted).__name__ == family_of(original.config).causal_lm_class
     with torch.no_grad():
         for padded in (False, True):
@@ -178,7 +177,7 @@ def test_lisa_fit_targets_are_the_original_scores(name, checkpoints):
     with torch.no_grad():
         want = original(ids, output_attentions=True).attentions[2]
         hook.remove()
-        attn = build_converted_model(original, [], {}).model.layers[2].self_attn
+        attn = in_converted_classes(original).model.layers[2].self_attn
         x = attn_inputs[0]
         scores = full_attention_scores(attn, x, rotary(original, x))
     assert attn.sliding_window == (WINDOW if name == "qwen2" else None)
@@ -203,7 +202,7 @@ def test_gemma3_lisa_fit_targets_are_the_original_scores(checkpoints):
         out = original(ids, output_attentions=True)
         for hook in hooks:
             hook.remove()
-        model = build_converted_model(original, [], {}).model
+        model = in_converted_classes(original).model
         lisa_attention = import_remote("lisa_attention")
         positions = torch.arange(LENGTH).unsqueeze(0)
         for idx, layer in enumerate(model.layers):
@@ -399,7 +398,9 @@ def test_convert_writes_a_repo_that_loads_and_generates(name, convert_and_load):
     # no layer here is dense Align with a key per head, the one the kernels serve: no kernels/ file ships (454 lines
     # of Triton), and the modeling's copy imports none (transformers wants every relative import in the repo)
     assert not uses_kernels(config) and not {p.name for p in kernels_dir().glob("*.py")} & set(shipped)
-    assert shipped == sorted(p.name for p in remote_code_files(family.auto_map, kernels=False)) == loaded["modules"]
+    # every file but the reference (shipped beside the model's code, imported by nothing) is imported when it loads
+    assert shipped == sorted([*(p.name for p in remote_code_files(family.auto_map, kernels=False)), "lisa_reference.py"])
+    assert [name for name in shipped if name != "lisa_reference.py"] == loaded["modules"]
     assert {f"{family.modeling_module}.py", f"{family.config_module}.py", "lisa_attention.py"} <= set(shipped)
 
     names = tensor_names(out)
@@ -444,7 +445,7 @@ TABLE = import_remote("configuration_lisa").FAMILIES
 ROOT = Path(__file__).resolve().parents[1]
 # what reads the table and may name no family itself: the converter's families, the vLLM plugin (a family's own
 # configuration file names its class, the Hub's entry point, and takes its model_type from the table)
-READERS = [ROOT / "hfcompress" / "families" / "__init__.py", *(ROOT / "hfcompress" / "vllm_plugin").glob("*.py")]
+READERS = [ROOT / "hfcompress" / "families" / "__init__.py", *(ROOT / "vllm-plugin" / "src" / "hfcompress_vllm").glob("*.py")]
 
 
 @pytest.mark.parametrize("name", list(TABLE))

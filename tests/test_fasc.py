@@ -4,7 +4,7 @@ import torch
 
 from hfcompress.calibrate import collect_linear_stats
 from hfcompress.fasc import FascOptions, allocate_ranks, decompose, dependence_violation
-from hfcompress.research import compress_linears
+from research.inmemory import compress_linears
 
 
 class TwoLinear(torch.nn.Module):

@@ -1,6 +1,6 @@
 """`--lisa-group-heads` (LisaOptions.group_heads): the sparse-Align head matching in which the heads of one KV group read
-one KV head of the layer below, different groups different ones (what lets hfcompress.vllm_plugin keep a shared layer
-and its anchor in one paged cache of no more values a token than the original layers)."""
+one KV head of the layer below, different groups different ones (what lets the vLLM plugin, hfcompress_vllm, keep a
+shared layer and its anchor in one paged cache of no more values a token than the original layers)."""
 
 import itertools
 

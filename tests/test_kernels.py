@@ -1,9 +1,10 @@
-"""LISA attention / low-rank kernels: Triton vs the torch reference, on this CPU machine.
+"""LISA attention / low-rank kernels: Triton vs the shipped torch reference, on this CPU machine.
 
-The decode kernel the model calls ships in kernels/ (lisa_attention_triton.py, behind lisa_kernels.py); the prefill
-and low-rank kernels, the backend-dispatching wrappers and the torch references live in benchmarks/
-(lisa_prefill_triton.py, lisa_attention_reference.py). Both folders load as one private package (flat relative
-imports, as on the Hub): `kt` is benchmarks/lisa_prefill_triton.py, which re-exports the decode kernel's names.
+The decode kernel the model calls ships in kernels/ (lisa_attention_triton.py, behind lisa_kernels.py); the
+reference every path is tested against ships in modeling/ (lisa_reference.py: `ref`); the prefill and low-rank
+kernels and the backend-dispatching wrappers are research code, research/lisa_prefill_triton.py (`kt`, which
+re-exports the decode kernel's names). The three folders load as one private package (flat relative imports, as on
+the Hub). The expected values are the reference in float64 (`_expected`), called with the kernels' arguments.
 
 * Interpreter tests (`test_interp_*`): Triton's interpreter must be chosen before `triton.language` is
   first imported (its own helpers such as `tl.zeros` are `@triton.jit` functions decorated at import), and
@@ -17,9 +18,9 @@ imports, as on the Hub): `kt` is benchmarks/lisa_prefill_triton.py, which re-exp
   the argument specialisation the JIT would use on a GPU (ints == 1 folded, 16-divisibility hints). This
   surfaces GPU-only errors (dot shapes, dtype rules, layouts, shared memory) without a GPU; it does not
   check numerics on a GPU.
-* Dispatch tests: which implementation runs (Triton entry points stubbed, references spied on) for CPU tensors,
+* Dispatch tests: which implementation runs (Triton entry points stubbed, torch paths spied on) for CPU tensors,
   GPU tensors (a CPU tensor subclass reporting is_cuda), forced backends and with `triton` hidden; the torch
-  path's numbers are checked against the layer's math written out as plain loops (`_naive_lisa`).
+  path's numbers (the reference's) are checked against the layer's math written out as plain loops (`_naive_lisa`).
 
 bf16 is only compiled, never run: the interpreter's bf16 tl.dot is not trustworthy.
 """
@@ -41,25 +42,24 @@ from pathlib import Path
 import pytest
 import torch
 
-KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
-BENCHMARKS_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
+ROOT = Path(__file__).resolve().parents[1]
 _COPIES: dict[str, tuple] = {}
 
 
 def _load_copy(pkg_name: str):
-    """Imports kernels/ + benchmarks/ as a private package `pkg_name`.
+    """Imports kernels/ + modeling/ + research/ as a private package `pkg_name`.
 
-    Returns (benchmarks/lisa_prefill_triton.py, benchmarks/lisa_attention_reference.py). The copies stay out of sys.modules
+    Returns (research/lisa_prefill_triton.py, modeling/lisa_reference.py). The copies stay out of sys.modules
     afterwards.
     """
     if pkg_name not in _COPIES:
         spec = importlib.machinery.ModuleSpec(pkg_name, None, is_package=True)
-        spec.submodule_search_locations = [str(KERNELS_DIR), str(BENCHMARKS_DIR)]
+        spec.submodule_search_locations = [str(ROOT / "kernels"), str(ROOT / "modeling"), str(ROOT / "research")]
         sys.modules[pkg_name] = importlib.util.module_from_spec(spec)
         try:
             _COPIES[pkg_name] = (
                 importlib.import_module(f"{pkg_name}.lisa_prefill_triton"),
-                importlib.import_module(f"{pkg_name}.lisa_attention_reference"),
+                importlib.import_module(f"{pkg_name}.lisa_reference"),
             )
         finally:
             for name in [n for n in sys.modules if n == pkg_name or n.startswith(pkg_name + ".")]:
@@ -103,6 +103,30 @@ def _close(actual, expected, dtype, what):
     torch.testing.assert_close(actual.float(), expected.float(), **TOL[dtype], msg=lambda m: f"{what}: {m}")
 
 
+def _expected(ref, s_prev, mix, bias, w1, b1, w2, qlr, klr, v, attn_mask=None):
+    """The shipped reference in float64, called with the kernels' arguments (dense Align; s_prev (B,H,Tq,Tk), or
+    (B,H,Tk) with qlr (B,H,r) at decode; the kernels' mask: causal, the queries at the last Tq positions, plus
+    `attn_mask`, additive (B,1,Tq|1,Tk) or a (B,Tk) keep-mask). Returns (out, S) in the layout of s_prev."""
+    d = lambda t: None if t is None else _plain(t).double()  # noqa: E731
+    decode = s_prev.dim() == 3
+    s_prev = d(s_prev[:, :, None] if decode else s_prev)
+    batch, heads, q_len, kv_len = s_prev.shape
+    if qlr is None:
+        qlr, klr = torch.zeros(batch, heads, q_len, 0), torch.zeros(batch, heads, kv_len, 0)
+    qlr = d(qlr[:, :, None] if qlr.dim() == 3 else qlr)
+    causal = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
+    mask = torch.zeros(batch, 1, q_len, kv_len, dtype=torch.float64).masked_fill(~causal, -math.inf)
+    if attn_mask is not None and attn_mask.dim() == 2:
+        mask = mask.masked_fill(~attn_mask.bool()[:, None, None, :], -math.inf)
+    elif attn_mask is not None:
+        mask = mask + d(attn_mask)
+    out, scores = ref.shared_attention_reference(
+        s_prev, qlr, d(klr), d(v), mix=d(mix), bias=torch.zeros(heads, dtype=torch.float64) if bias is None else d(bias),
+        ffn_in_weight=d(w1), ffn_in_bias=d(b1), ffn_out_weight=d(w2), mask=mask,
+    )  # fmt: skip
+    return (out[:, :, 0], scores[:, :, 0]) if decode else (out, scores)
+
+
 # ------------------------------------------------------------------------------------------------
 # interpreter cases (run in the child process; `kt` = kernels with interpreted Triton, `ref` = reference)
 # ------------------------------------------------------------------------------------------------
@@ -125,7 +149,7 @@ def _case_decode(kt, ref, batch, heads, kv_heads, kv_len, rank, ffn, mask, split
     am = _padding_mask(batch, 1, kv_len, dtype) if mask else None
     args = (s_prev, p["mix"], p["bias"], p["w1"], p["b1"], p["w2"], qlr, p["klr"], p["v"], am)
     out, scores = kt.lisa_decode(*args, num_splits=splits, backend="triton")
-    ref_out, ref_scores = ref.lisa_decode_reference(*args)
+    ref_out, ref_scores = _expected(ref, *args)
     assert out.shape == (batch, heads, 16) and out.dtype == dtype
     assert scores.shape == (batch, heads, kv_len) and scores.dtype == dtype
     _close(scores, ref_scores, dtype, "scores")
@@ -139,7 +163,8 @@ def _case_decode_model_layout(kt, ref):
     keep[0, :2] = 0
     args = (p["s_prev"], p["mix"], p["bias"], None, None, None, p["qlr"], p["klr"], p["v"], keep)
     out, scores = kt.lisa_decode(*args, return_scores=False, backend="triton")
-    ref_out, _ = ref.lisa_decode_reference(p["s_prev"][:, :, 0], *args[1:6], p["qlr"][:, :, 0], *args[7:])
+    ref_out, _ = _expected(ref, *args)
+    ref_out = ref_out[:, :, 0]
     assert scores is None
     _close(out, ref_out, F32, "out")
 
@@ -157,26 +182,10 @@ def _align_module(mix, bias, w1, b1, w2):
     return SimpleNamespace(align=SimpleNamespace(mix=mix, bias=bias, ffn_in=ffn_in, ffn_out=ffn_out))
 
 
-def _modeling_decode_math(align, prev, q_lr, k_lr, value, mask):
-    """The modeling file's torch formula for one decode step (no 1/sqrt(r) term at rank 0)."""
-    with torch.no_grad():
-        heads, kv_heads = prev.shape[1], value.shape[1]
-        expect = torch.einsum("hg,bgij->bhij", align.mix, prev) + align.bias[None, :, None, None]
-        if align.ffn_in is not None:
-            per_pos = prev.permute(0, 2, 3, 1)
-            ffn = align.ffn_out(torch.nn.functional.gelu(align.ffn_in(per_pos), approximate="tanh"))
-            expect = expect + ffn.permute(0, 3, 1, 2)
-        if q_lr.shape[-1]:
-            expect = expect + q_lr @ k_lr.transpose(2, 3) * q_lr.shape[-1] ** -0.5
-        probs = torch.softmax(expect + (0 if mask is None else mask), dim=-1)
-        out = (probs @ value.repeat_interleave(heads // kv_heads, dim=1)).transpose(1, 2)
-    return out, expect
-
-
 def _case_adapter(kt, ref, rank, ffn, mask):
     """kernels/lisa_kernels.py `fused_lisa_decode` (what lisa_attention.py calls, in its layout: (B,H,1,Tk)
-    score rows, (B,H,1,r) queries, an additive (B,1,1,Tk) mask) vs the modeling file's torch formula. There is no
-    torch fallback in the adapter, so this runs the (interpreted) Triton kernel."""
+    score rows, (B,H,1,r) queries, an additive (B,1,1,Tk) mask) vs the shipped reference. There is no torch
+    fallback in the adapter, so this runs the (interpreted) Triton kernel."""
     B, H, Hkv, Tk, D = 2, 4, 2, 23, 8
     p = _layer(B, H, Hkv, 1, Tk, D, 0, ffn, F32, seed=5)
     g = torch.Generator().manual_seed(6)
@@ -187,23 +196,22 @@ def _case_adapter(kt, ref, rank, ffn, mask):
         am[1, ..., :2] = torch.finfo(torch.float32).min
     module = _align_module(p["mix"], p["bias"], p["w1"], p["b1"], p["w2"])
     out, scores = kt.fused_lisa_decode(module, p["s_prev"], q_lr, k_lr, p["v"], am)
-    expect_out, expect_scores = _modeling_decode_math(module.align, p["s_prev"], q_lr, k_lr, p["v"], am)
+    expect_out, expect_scores = _expected(ref, p["s_prev"], p["mix"], p["bias"], p["w1"], p["b1"], p["w2"], q_lr, k_lr, p["v"], am)
+    expect_out = expect_out.transpose(1, 2)
     assert out.shape == (B, 1, H, D) and scores.shape == (B, H, 1, Tk)
     _close(scores, expect_scores, F32, "scores")
     _close(out, expect_out, F32, "out")
 
 
 def _case_decode_rank0(kt, ref, splits):
-    """Rank 0 (`--no-lowrank`): the model hands over (..., 0)-sized low-rank q/k; no 1/sqrt(0), aligned scores only."""
+    """Rank 0 (the `lowrank=False` ablation): the model hands over (..., 0)-sized low-rank q/k; no 1/sqrt(0), aligned
+    scores only."""
     p = _layer(2, 4, 2, 1, 37, 16, 0, 5, F32, seed=8)
     qlr, klr = torch.zeros(2, 4, 1, 0), torch.zeros(2, 4, 37, 0)
     args = (p["s_prev"], p["mix"], p["bias"], p["w1"], p["b1"], p["w2"])
     am = _padding_mask(2, 1, 37, F32)
     out, scores = kt.lisa_decode(*args, qlr, klr, p["v"], am, num_splits=splits, backend="triton")
-    ref_out, ref_scores = ref.lisa_decode_reference(p["s_prev"][:, :, 0], *args[1:], None, None, p["v"], am)
-    ref0_out, ref0_scores = ref.lisa_decode_reference(p["s_prev"][:, :, 0], *args[1:], qlr[:, :, 0], klr, p["v"], am)
-    torch.testing.assert_close(ref0_out, ref_out)  # the reference agrees: rank 0 == no low-rank term
-    torch.testing.assert_close(ref0_scores, ref_scores)
+    ref_out, ref_scores = _expected(ref, p["s_prev"][:, :, 0], *args[1:], None, None, p["v"], am)
     _close(scores, ref_scores, F32, "scores")
     _close(out, ref_out, F32, "out")
 
@@ -215,11 +223,12 @@ def _case_prefill_rank0(kt, ref):
     w = (p["mix"], p["bias"], None, None, None)
     kw = dict(q_prev=p["q_prev"], k_prev=p["k_prev"])
     out, _ = kt.lisa_prefill(None, *w, qlr, klr, p["v"], **kw, backend="triton")
-    ref_out, _ = ref.lisa_prefill_reference(None, *w, None, None, p["v"], **kw)
+    s_prev = p["q_prev"] @ p["k_prev"].repeat_interleave(2, dim=1).transpose(-1, -2) / 4.0  # Dp = 16
+    ref_out, _ = _expected(ref, s_prev, *w, None, None, p["v"])
     _close(out, ref_out, F32, "fused out")
     out, scores = kt.lisa_prefill(p["s_prev"], *w, qlr, klr, p["v"], return_scores=True, causal_skip=False,
                                   backend="triton")  # fmt: skip
-    ref_out, ref_scores = ref.lisa_prefill_reference(p["s_prev"], *w, None, None, p["v"], return_scores=True)
+    ref_out, ref_scores = _expected(ref, p["s_prev"], *w, None, None, p["v"])
     _close(out, ref_out, F32, "materialised out")
     _close(scores, ref_scores, F32, "materialised scores")
 
@@ -236,7 +245,7 @@ def _case_prefill(kt, ref, batch, heads, kv_heads, q_len, kv_len, rank, ffn, mas
     am = _padding_mask(batch, q_len, kv_len, dtype) if mask else None
     args = (p["s_prev"], p["mix"], p["bias"], p["w1"], p["b1"], p["w2"], p["qlr"], p["klr"], p["v"], am)
     out, scores = kt.lisa_prefill(*args, return_scores=True, causal_skip=causal_skip, backend="triton")
-    ref_out, ref_scores = ref.lisa_prefill_reference(*args, return_scores=True)
+    ref_out, ref_scores = _expected(ref, *args)
     _close(out, ref_out, dtype, "out")
     assert torch.isfinite(scores.float()).all()
     if causal_skip:  # S is only guaranteed where a query can see the key (0 in skipped tiles)
@@ -262,7 +271,8 @@ def _case_prefill_qk(kt, ref, heads, kv_heads, ffn, return_scores, dtype):
     args = (None, p["mix"], p["bias"], p["w1"], p["b1"], p["w2"], p["qlr"], p["klr"], p["v"], am)
     kw = dict(q_prev=p["q_prev"], k_prev=p["k_prev"], prev_scale=0.3, return_scores=return_scores)
     out, scores = kt.lisa_prefill(*args, **kw, causal_skip=False, backend="triton")
-    ref_out, ref_scores = ref.lisa_prefill_reference(*args, **kw)
+    s_prev = 0.3 * p["q_prev"].double() @ p["k_prev"].double().repeat_interleave(heads // kv_heads, dim=1).transpose(-1, -2)
+    ref_out, ref_scores = _expected(ref, s_prev, *args[1:])
     _close(out, ref_out, dtype, "out")
     if return_scores:
         _close(scores, ref_scores, dtype, "scores")
@@ -285,7 +295,7 @@ def _case_lowrank(kt, ref, rows, rank, bias, split_k, dtype):
     b = torch.randn(70, generator=g).to(dtype) if bias else None
     y = kt.lowrank_linear_triton(x, b_w, a_w, b, split_k=split_k)
     assert y.shape == (rows, 70) and y.dtype == dtype
-    expected = ref.lowrank_linear_reference(x.float(), b_w.float(), a_w.float(), None if b is None else b.float())
+    expected = x.double() @ b_w.double().T @ a_w.double().T + (0 if b is None else b.double())
     _close(y, expected, dtype, "y")
 
 
@@ -295,7 +305,7 @@ INTERP_CASES = {
     "decode/rank0-ffn-mask-nosplit-f32": (_case_decode_rank0, (1,)),
     "decode/rank0-ffn-mask-split3-f32": (_case_decode_rank0, (3,)),
     "adapter/rank3-ffn-mask-f32": (_case_adapter, (3, 5, True)),
-    "adapter/rank0-nomask-f32": (_case_adapter, (0, 0, False)),  # a --no-lowrank dense-Align shared layer
+    "adapter/rank0-nomask-f32": (_case_adapter, (0, 0, False)),  # a rank-0 (lowrank=False) dense-Align shared layer
     "prefill/rank0-f32": (_case_prefill_rank0, ()),
     **{f"prefill/{k}": (_case_prefill, v) for k, v in PREFILL_CASES.items()},
     **{f"prefill_qk/{k}": (_case_prefill_qk, v) for k, v in PREFILL_QK_CASES.items()},
@@ -415,14 +425,14 @@ def _spy_dispatch(monkeypatch, kt) -> list[str]:
 
     for name in ("lisa_decode_triton", "lisa_prefill_triton", "lowrank_linear_triton"):
         monkeypatch.setattr(kt, name, triton_stub(name))
-    for name in ("lisa_decode_reference", "lisa_prefill_reference", "lowrank_linear_reference"):
+    for name in ("lisa_decode_torch", "lisa_prefill_torch", "lowrank_linear_torch"):
         monkeypatch.setattr(kt, name, reference_spy(name))
     return calls
 
 
 def _naive_lisa(s_prev, mix, bias, w1, b1, w2, qlr, klr, v, keep=None):
     """The shared layer written out entry by entry in float64, independently of kernels/ (module docstring of
-    lisa_attention_reference.py): S[b,:,i,j] from the H previous scores at (i, j), then a causal softmax over the
+    modeling/lisa_reference.py): S[b,:,i,j] from the H previous scores at (i, j), then a causal softmax over the
     visible keys (query i at absolute position Tk - Tq + i, `keep` (B,Tk) bool) and the GQA-weighted sum of V.
     Returns (out (B,H,Tq,D), S (B,H,Tq,Tk))."""
     d = lambda t: None if t is None else _plain(t).double()  # noqa: E731
@@ -479,7 +489,7 @@ def test_auto_backend_on_cpu_tensors_runs_the_torch_reference(monkeypatch):
     expect_out, expect_scores = _naive_lisa(*args[:9], keep=keep)
 
     out, scores = kt.lisa_prefill(*args, return_scores=True)
-    assert calls == ["lisa_prefill_reference"]
+    assert calls == ["lisa_prefill_torch"]
     assert out.shape == (2, 4, 5, 16) and scores.shape == (2, 4, 5, 9)
     _naive_close(out, expect_out, "prefill out")
     _naive_close(scores, expect_scores, "prefill scores")
@@ -490,18 +500,18 @@ def test_auto_backend_on_cpu_tensors_runs_the_torch_reference(monkeypatch):
         p["s_prev"][:, :, -1:], *args[1:6], p["qlr"][:, :, -1:], p["klr"], p["v"], keep=keep
     )  # fmt: skip
     out, scores = kt.lisa_decode(p["s_prev"][:, :, -1:], *args[1:6], p["qlr"][:, :, -1:], p["klr"], p["v"], keep.long())
-    assert calls == ["lisa_decode_reference"]
+    assert calls == ["lisa_decode_torch"]
     _naive_close(out, dec_out[:, :, 0], "decode out")
     _naive_close(scores, dec_expect[:, :, 0], "decode scores")
     calls.clear()
     _, no_scores = kt.lisa_decode(p["s_prev"][:, :, -1], *args[1:6], p["qlr"][:, :, -1], p["klr"], p["v"],
                                   return_scores=False)  # fmt: skip
-    assert no_scores is None and calls == ["lisa_decode_reference"]
+    assert no_scores is None and calls == ["lisa_decode_torch"]
 
     calls.clear()
     x, b_w, a_w, bias = torch.randn(3, 8), torch.randn(4, 8), torch.randn(6, 4), torch.randn(6)
     y = kt.lowrank_linear(x, b_w, a_w, bias)
-    assert calls == ["lowrank_linear_reference"]
+    assert calls == ["lowrank_linear_torch"]
     torch.testing.assert_close(y, ((x.double() @ b_w.double().T) @ a_w.double().T + bias.double()).float())
     assert kt.HAS_TRITON and kt.triton_available() and not kt.triton_available(x)
 
@@ -531,7 +541,7 @@ def test_backend_choice_routes_to_triton_only_where_it_can_run(monkeypatch):
     p64, _, _ = _dispatch_inputs(fake_cuda=True, dtype=torch.float64)
     kt.lisa_decode(p64["s_prev"][:, :, -1], p64["mix"], None, None, None, None, None, None, p64["v"])
     assert calls == [
-        "lisa_prefill_reference", "lisa_decode_reference", "lowrank_linear_reference", "lisa_decode_reference"
+        "lisa_prefill_torch", "lisa_decode_torch", "lowrank_linear_torch", "lisa_decode_torch"
     ]  # fmt: skip
 
     calls.clear()
@@ -555,7 +565,7 @@ def test_without_triton_falls_back(monkeypatch):
     dec = (p["s_prev"][:, :, -1], p["mix"], p["bias"], None, None, None, p["qlr"][:, :, -1], p["klr"], p["v"])
     dec = (*dec, mask[:, :, -1:])
     out, scores = kt.lisa_decode(*dec)
-    assert calls == ["lisa_decode_reference"]
+    assert calls == ["lisa_decode_torch"]
     expect_out, expect_scores = _naive_lisa(
         p["s_prev"][:, :, -1:], *dec[1:6], p["qlr"][:, :, -1:], *dec[7:9], keep=keep
     )  # fmt: skip
@@ -564,7 +574,7 @@ def test_without_triton_falls_back(monkeypatch):
     calls.clear()
     x, b_w, a_w = torch.randn(2, 8), torch.randn(4, 8), torch.randn(6, 4)
     y = kt.lowrank_linear(_fake_cuda(x), _fake_cuda(b_w), _fake_cuda(a_w))
-    assert calls == ["lowrank_linear_reference"]
+    assert calls == ["lowrank_linear_torch"]
     torch.testing.assert_close(_plain(y), (x.double() @ b_w.double().T @ a_w.double().T).float())
     calls.clear()
     for call in (
@@ -578,13 +588,15 @@ def test_without_triton_falls_back(monkeypatch):
 
 
 def test_reference_decode_equals_prefill_last_row():
+    """The reference without a mask puts the queries at the last Tq positions: one decode row is prefill's last."""
     _, ref = _load_copy("_lisa_kernels_plain")
     p = _layer(2, 4, 2, 6, 6, 16, 3, 5, F32, seed=7)
-    args = (p["mix"], p["bias"], p["w1"], p["b1"], p["w2"])
-    out, scores = ref.lisa_prefill_reference(p["s_prev"], *args, p["qlr"], p["klr"], p["v"], return_scores=True)
-    d_out, d_scores = ref.lisa_decode_reference(p["s_prev"][:, :, -1], *args, p["qlr"][:, :, -1], p["klr"], p["v"])
-    torch.testing.assert_close(d_out, out[:, :, -1])
-    torch.testing.assert_close(d_scores, scores[:, :, -1])
+    align = dict(mix=p["mix"], bias=p["bias"], ffn_in_weight=p["w1"], ffn_in_bias=p["b1"], ffn_out_weight=p["w2"])
+    out, scores = ref.shared_attention_reference(p["s_prev"], p["qlr"], p["klr"], p["v"], **align)
+    last = slice(-1, None)
+    d_out, d_scores = ref.shared_attention_reference(p["s_prev"][:, :, last], p["qlr"][:, :, last], p["klr"], p["v"], **align)
+    torch.testing.assert_close(d_out, out[:, :, last])
+    torch.testing.assert_close(d_scores, scores[:, :, last])
 
 
 def test_model_gate_and_adapter_without_triton(monkeypatch):
@@ -673,7 +685,7 @@ def test_compile_decode_sm90(kaot):
     launches[0].constexprs["BLOCK_N"] = 64  # the block size used on CUDA
     _compile_sm90(launches[0], triton.Config({}, num_warps=4, num_stages=2))
     _compile_sm90(launches[1])
-    # rank 0 (--no-lowrank), in the model's layout: (B,H,1,Tk) scores, (B,H,1,0) queries, (B,H,Tk,0) keys
+    # rank 0 (lowrank=False), in the model's layout: (B,H,1,Tk) scores, (B,H,1,0) queries, (B,H,Tk,0) keys
     q0, k0 = p["qlr"][..., :0], p["klr"][..., :0]
     launches, _, _ = kaot._decode_plan(p["s_prev"], p["mix"], p["bias"], None, None, None, q0, k0, p["v"], am, True, 1)
     assert len(launches) == 1 and not launches[0].constexprs["HAS_LR"]

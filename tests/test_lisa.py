@@ -66,7 +66,7 @@ def tiny_converted_llama(num_layers: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hfcompress.lisa import rotary
-    from hfcompress.research import in_converted_classes
+    from hfcompress.build import in_converted_classes
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
@@ -148,7 +148,7 @@ def test_fits_read_only_the_sequences_their_draws_can_reach():
     and with fewer sequences than that the fit reads them all."""
     import torch
 
-    from hfcompress.research import fit_lisa, measure_similarity
+    from research.inmemory import fit_lisa, measure_similarity
 
     model, _, _ = tiny_converted_llama(num_layers=4)
     torch.manual_seed(1)

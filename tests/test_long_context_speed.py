@@ -1,11 +1,11 @@
-"""hfcompress.speed.long_context_speed (benchmarks/long_context.py) on tiny models: rows, cache sizes, the table."""
+"""research/long_context.py (benchmarks/long_context.py) on tiny models: rows, cache sizes, the table."""
 
 import pytest
 import torch
 from test_modeling import lisa_copy, tiny_config
 from transformers import LlamaForCausalLM
 
-from hfcompress.speed import long_context_speed, long_context_table
+from research.long_context import long_context_speed, long_context_table
 
 
 def test_rows_hold_measured_cache_sizes_and_speedups():

@@ -20,6 +20,7 @@ from hfcompress.config import ConvertOptions, DistillOptions
 from hfcompress.errors import HfcompressError
 from hfcompress.fasc import FascOptions
 from hfcompress.lisa import LisaOptions
+from hfcompress.keys import KeyOptions
 from hfcompress.stream import LayerStream
 from hfcompress.token_streams import SELECTION_TOKENS
 
@@ -71,11 +72,12 @@ def streamed(tiny, tmp_path_factory) -> tuple[Path, dict, Path]:
 
 
 def in_memory_reference(tiny: Path, report: dict) -> dict:
-    """The conversion the old in-memory pipeline computed, from the library's in-memory functions: the same layers
-    (chosen from its own similarity), the same FASC ranks and the same perplexities."""
+    """The conversion the old in-memory pipeline computed, from the research area's in-memory driver
+    (research/inmemory.py, which the benchmarks use: this keeps it equal to the product): the same layers (chosen from
+    its own similarity), the same FASC ranks and the same perplexities."""
     from hfcompress.calibrate import collect_attention_inputs, collect_linear_stats
     from hfcompress.lisa import select_layers
-    from hfcompress.research import build_converted_model, compress_linears, fit_lisa, measure_similarity
+    from research.inmemory import build_converted_model, compress_linears, fit_lisa, measure_similarity
     from hfcompress.source import load_source, resolve_source
     from hfcompress.text import chunk, text_streams
     from hfcompress.validate import perplexity
@@ -158,12 +160,11 @@ def test_two_gloo_processes_equal_one(tiny, streamed, tmp_path):
     command = [
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
         "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "hfcompress.cli",
-        "convert", str(tiny), "--out", str(tmp_path / "out"), "--device", "cpu", "--layer-by-layer", *CLI_SETTINGS,
+        "convert", str(tiny), "--out", str(tmp_path / "out"), "--device", "cpu", *CLI_SETTINGS,
     ]
     env = dict(os.environ, HFCOMPRESS_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
     proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "--layer-by-layer has no effect" in proc.stderr  # every conversion streams; the old flag is a no-op
 
     report = json.loads((tmp_path / "out" / "hfcompress_report.json").read_text())
     assert report["processes"] == 2
@@ -222,10 +223,12 @@ def test_methods_are_registered_units():
     from hfcompress.registry import build_methods
 
     methods, finishers = build_methods(ConvertOptions(source="x", out=Path("y"), fasc=FascOptions(budget=0.5)))
-    assert [m.name for m in methods] == ["lisa", "fasc"] and set(METHODS) == {"lisa", "fasc"}
+    assert [m.name for m in methods] == ["lisa", "keys", "fasc"] and set(METHODS) == {"lisa", "keys", "fasc"}
     assert [f.name for f in finishers] == ["distillation"] and set(FINISHERS) == {"distillation"}  # on by default
     assert build_methods(ConvertOptions(source="x", out=Path("y"), distill=DistillOptions(tokens=0)))[1] == []
     assert build_methods(ConvertOptions(source="x", out=Path("y"), lisa=LisaOptions(share_ratio=0)))[1] == []  # nothing to train
+    keys_only = ConvertOptions(source="x", out=Path("y"), lisa=LisaOptions(share_ratio=0), keys=KeyOptions(kv_budget=0.75))
+    assert [f.name for f in build_methods(keys_only)[1]] == ["distillation"]  # the key latents train
     methods, _ = build_methods(ConvertOptions(source="x", out=Path("y")))
     assert [m.name for m in methods if m.active()] == ["lisa"]  # FASC at budget 1.0 is off
     import inspect

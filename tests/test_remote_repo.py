@@ -8,6 +8,7 @@ closed (`_LOADS`), whose JSON result every test reads.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from typer.testing import CliRunner
 
 from hfcompress.cli import app
 from hfcompress.families import FAMILIES
-from hfcompress.remote import remote_code_files
+from hfcompress.remote import relative_imports, remote_code_files
 
 AUTO_MAP = FAMILIES["llama"].auto_map
 
@@ -121,15 +122,22 @@ def loads(converted, tmp_path_factory) -> dict:
 
 
 def test_ships_exactly_the_files_the_model_imports(converted, loads):
-    """Every .py in the repo is imported when transformers loads the model (its own remote-code machinery, in a
-    fresh process), and nothing else is shipped: no prefill/low-rank kernels, no torch references (benchmarks/)."""
+    """Every .py in the repo but the reference is imported when transformers loads the model (its own remote-code
+    machinery, in a fresh process), and nothing else is shipped: no prefill/low-rank kernels (research/), nothing of
+    benchmarks/. The reference ships beside them, imported by nothing, and the copy imports alone (torch only)."""
     _, out = converted
     shipped = sorted(p.name for p in out.glob("*.py"))
-    assert shipped == sorted(p.name for p in remote_code_files(AUTO_MAP))
-    assert loads["remote_modules"] == shipped
+    assert shipped == sorted([*(p.name for p in remote_code_files(AUTO_MAP)), "lisa_reference.py"])
+    assert loads["remote_modules"] == [name for name in shipped if name != "lisa_reference.py"]
     assert {"modeling_lisa_llama.py", "configuration_lisa_llama.py", "lisa_kernels.py"} <= set(shipped)
-    benchmarks = {p.name for p in (Path(__file__).resolve().parents[1] / "benchmarks").glob("*.py")}
-    assert not benchmarks & set(shipped)
+    root = Path(__file__).resolve().parents[1]
+    elsewhere = {p.name for folder in ("benchmarks", "research") for p in (root / folder).glob("*.py")}
+    assert not elsewhere & set(shipped)
+    assert relative_imports(out / "lisa_reference.py") == []
+    spec = importlib.util.spec_from_file_location("shipped_lisa_reference", out / "lisa_reference.py")
+    shipped_reference = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shipped_reference)
+    assert callable(shipped_reference.shared_attention_reference)
 
 
 def test_remote_code_files_follow_the_imports(tmp_path, monkeypatch):
@@ -170,12 +178,16 @@ def test_a_model_no_kernel_serves_ships_its_modeling_without_the_kernel_import(t
     (modeling / "configuration_lisa_llama.py").write_text("X = 1\n")
     guarded = "from .configuration_lisa_llama import X\ntry:\n    from .lisa_kernels import f\nexcept ImportError:\n    f = None\n"
     (modeling / "modeling_lisa_llama.py").write_text(guarded)
+    (modeling / "lisa_reference.py").write_text("import torch\n")
     (kernels / "lisa_kernels.py").write_text("f = 1\n")
     monkeypatch.setattr(remote, "modeling_dir", lambda: modeling)
     monkeypatch.setattr(remote, "kernels_dir", lambda: kernels)
     config = {"auto_map": AUTO_MAP, "num_attention_heads": 4, "lisa_layers": {"2": {"rank": 4, "align": "sparse"}}}
-    assert remote.write_remote_code(config, out) == ["configuration_lisa_llama.py", "modeling_lisa_llama.py"]
-    assert sorted(p.name for p in out.iterdir()) == ["configuration_lisa_llama.py", "modeling_lisa_llama.py"]
+    files = ["configuration_lisa_llama.py", "modeling_lisa_llama.py", "lisa_reference.py"]  # the reference: a LISA layer
+    assert remote.write_remote_code(config, out) == files
+    assert sorted(p.name for p in out.iterdir()) == sorted(files)
+    (tmp_path / "no_lisa").mkdir()
+    assert remote.write_remote_code(config | {"lisa_layers": {}}, tmp_path / "no_lisa") == files[:2]  # no reference
     shipped = (out / "modeling_lisa_llama.py").read_text()
     assert shipped == guarded.replace("from .lisa_kernels import f", 'raise ImportError("no kernel ships with this model: no layer uses one")')
     namespace: dict = {}

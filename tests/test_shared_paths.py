@@ -1,10 +1,12 @@
 """The fast LISA attention paths (feature SDPA, block-wise scores, decode score rows without K/V copies) against an
-explicit eager computation of the same model: materialised scores for every layer, repeat_kv, one softmax."""
+explicit eager computation of the same model: materialised scores for every layer, repeat_kv, one softmax; the shared
+layers by the shipped reference (modeling/lisa_reference.py)."""
 
 import math
 
 import pytest
 import torch
+from test_lisa_reference import align_params
 from test_modeling import lisa_copy, random_lisa_model, tiny_config
 from transformers import LlamaForCausalLM
 from transformers.models.llama.modeling_llama import repeat_kv
@@ -12,6 +14,7 @@ from transformers.models.llama.modeling_llama import repeat_kv
 from hfcompress.remote import import_remote
 
 modeling = import_remote("lisa_attention")
+reference = import_remote("lisa_reference")
 
 SPECS = {
     "sparse after full": {"2": {"rank": 4, "align": "sparse"}},
@@ -52,25 +55,15 @@ def eager_logits(model, ids: torch.Tensor, attention_mask: torch.Tensor | None =
         value = attn.v_proj(x).view(batch, length, -1, attn.head_dim).transpose(1, 2)
         groups = attn.num_key_value_groups
         if layer.is_lisa:
-            align = attn.align
-            if attn.sparse:
-                scores = prev[:, align.source] * align.scale[None, :, None, None]
-            else:
-                scores = torch.einsum("hg,bgij->bhij", align.mix, prev) + align.bias[None, :, None, None]
-                if align.ffn_in is not None:
-                    hidden_ffn = torch.nn.functional.gelu(align.ffn_in(prev.permute(0, 2, 3, 1)), approximate="tanh")
-                    scores = scores + align.ffn_out(hidden_ffn).permute(0, 3, 1, 2)
-            if attn.rank:
-                q_lr, k_lr = attn.lowrank_qk(x, positions)
-                k_lr = repeat_kv(k_lr, attn.num_heads // k_lr.shape[1])  # grouped keys: each head reads its group's
-                scores = scores + q_lr @ k_lr.transpose(2, 3) / math.sqrt(attn.rank)
+            q_lr, k_lr = attn.lowrank_qk(x, positions)
+            attended, scores = reference.shared_attention_reference(prev, q_lr, k_lr, value, **align_params(attn), mask=mask)
         else:
             query = attn.q_proj(x).view(batch, length, -1, attn.head_dim).transpose(1, 2)
             key = attn.k_proj(x).view(batch, length, -1, attn.head_dim).transpose(1, 2)
             query, key = modeling.apply_rotary_pos_emb(query, key, cos, sin)
             scores = query @ repeat_kv(key, groups).transpose(2, 3) / math.sqrt(attn.head_dim)
-        probs = torch.softmax(scores + mask, dim=-1)
-        out = (probs @ repeat_kv(value, groups)).transpose(1, 2).reshape(batch, length, -1)
+            attended = torch.softmax(scores + mask, dim=-1) @ repeat_kv(value, groups)
+        out = attended.transpose(1, 2).reshape(batch, length, -1)
         hidden = hidden + attn.o_proj(out)
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         prev = scores

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from hfcompress.research import build_converted_model
+from hfcompress.build import in_converted_classes
 from hfcompress.source import BUILTIN_SOURCE, load_source, resolve_source
 
 pytestmark = pytest.mark.slow
@@ -21,7 +21,7 @@ def smollm2():
 
 def test_unconverted_lisa_llama_equals_llama(smollm2):
     model, tokenizer = smollm2
-    converted = build_converted_model(model, [], {})
+    converted = in_converted_classes(model)
     ids = tokenizer("The Python language reference describes the syntax and core semantics.", return_tensors="pt").input_ids
     with torch.no_grad():
         assert (converted(ids).logits - model(ids).logits).abs().max() <= 1e-4

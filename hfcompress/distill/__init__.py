@@ -6,7 +6,7 @@ by KL to the original; see train.py).
     train.py     the training loop, resumable, with its learning curve
     finisher.py  Distillation, the pipeline's finisher
 
-The in-memory API of the research scripts (distill_model) is hfcompress/research.py.
+The in-memory driver of the research scripts (distill_model) is research/inmemory.py, outside the package.
 """
 
 from .data import GENERATE_BATCH, GREEDY_START_TOKENS, DistillData, generated_windows, training_windows, window_starts

@@ -5,7 +5,7 @@
     weights.py    a factorised linear in a layer's state dict
     method.py     FascMethod, the pipeline unit
 
-The in-memory API of the research scripts and tests (compress_linears) is hfcompress/research.py.
+The in-memory driver of the research scripts (compress_linears) is research/inmemory.py, outside the package.
 """
 
 from .factorise import (

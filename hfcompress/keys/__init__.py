@@ -2,15 +2,20 @@
 
     statistics.py  the key statistics of a whole model on calibration tokens: C = E[k k^T], G = E[g g^T], queries' energy
     subspace.py    the arithmetic: the two layouts (pre-RoPE, RoPE-commuting), the four criteria, the per-layer budget
+    options.py     KeyOptions: --kv-budget
+    method.py      KeysMethod: the conversion's unit (statistics streamed layer by layer, the plan, the factors)
 
-Today the peers step uses it (the training-free PCA of the keys at the conversion's saving) and
-benchmarks/key_compression.py measures the layouts and criteria; the layer action of the remote code is next.
+The remote code's layer action is `key_ranks` (modeling/lisa_attention.py); the peers step uses the statistics on
+transformers' model (the training-free PCA of the keys at the conversion's saving), and
+benchmarks/key_compression.py measures the layouts and criteria.
 """
 
+from .method import KeysMethod
+from .options import KeyOptions
 from .statistics import KeyStatistics, key_module, key_statistics, projected_keys
 from .subspace import CRITERIA, LAYOUTS, KeySubspace, plan_sizes, rope_planes
 
 __all__ = [
-    "CRITERIA", "LAYOUTS", "KeyStatistics", "KeySubspace", "key_module", "key_statistics", "plan_sizes",
-    "projected_keys", "rope_planes",
+    "CRITERIA", "LAYOUTS", "KeyOptions", "KeyStatistics", "KeySubspace", "KeysMethod", "key_module", "key_statistics",
+    "plan_sizes", "projected_keys", "rope_planes",
 ]  # fmt: skip

@@ -22,6 +22,21 @@ class KeyStatistics:
     tokens: int = 0
 
 
+# transformers' attention classes of these model types apply k_norm after moving the heads before the tokens: their
+# key module's output is (B, KV, T, d), every other one's (B, T, KV, d) (or (B, T, KV x d) from k_proj)
+HEADS_FIRST_AT_KEY_NORM = ("gemma3_text",)
+
+
+def token_rows(output: torch.Tensor, width: int, heads_first: bool) -> torch.Tensor:
+    """The key module's output as (tokens, width) rows, all KV heads of one token side by side."""
+    return (output.transpose(1, 2) if heads_first else output).reshape(-1, width)
+
+
+def heads_first_keys(model: nn.Module, attention: nn.Module) -> bool:
+    """Whether `attention`'s key module (of `model`) puts the heads before the tokens."""
+    return getattr(attention, "k_norm", None) is not None and model.config.model_type in HEADS_FIRST_AT_KEY_NORM
+
+
 def key_module(attention: nn.Module) -> nn.Module:
     """The module whose output is a layer's pre-RoPE key: the per-head k_norm (Qwen3, Gemma 3) or k_proj."""
     norm = getattr(attention, "k_norm", None)
@@ -44,30 +59,31 @@ def key_statistics(model: nn.Module, sequences: torch.Tensor, gradients: bool = 
         for _ in layers
     ]  # fmt: skip
 
-    def on_key(entry: KeyStatistics):
+    def on_key(entry: KeyStatistics, heads_first: bool):
         def hook(module, inputs, output):
-            flat = output.detach().reshape(-1, width).double().cpu()  # the statistics stay on the CPU, any device
+            # the statistics stay on the CPU, any device
+            flat = token_rows(output.detach(), width, heads_first).double().cpu()
             entry.C += flat.T @ flat
             if gradients:
 
                 def on_grad(grad: torch.Tensor) -> None:
-                    flat_grad = grad.reshape(-1, width).double().cpu()
+                    flat_grad = token_rows(grad, width, heads_first).double().cpu()
                     entry.G.add_(flat_grad.T @ flat_grad)
 
                 output.register_hook(on_grad)
 
         return hook
 
-    def on_query(entry: KeyStatistics):
+    def on_query(entry: KeyStatistics, heads_first: bool):
         def hook(module, inputs, output):
-            entry.q2 += output.detach().reshape(-1, queries).double().pow(2).sum(0).cpu()
+            entry.q2 += token_rows(output.detach(), queries, heads_first).double().pow(2).sum(0).cpu()
 
         return hook
 
     handles = []
     for layer, entry in zip(layers, stats):
-        handles.append(key_module(layer.self_attn).register_forward_hook(on_key(entry)))
-        handles.append(query_module(layer.self_attn).register_forward_hook(on_query(entry)))
+        handles.append(key_module(layer.self_attn).register_forward_hook(on_key(entry, heads_first_keys(model, layer.self_attn))))
+        handles.append(query_module(layer.self_attn).register_forward_hook(on_query(entry, heads_first_keys(model, layer.self_attn))))
     trainable = [p for p in model.parameters() if p.requires_grad]
     for p in trainable:
         p.requires_grad_(False)  # the gradients wanted are the keys', not the weights'
@@ -102,15 +118,21 @@ def projected_keys(model: nn.Module, projectors: dict[int, torch.Tensor]) -> Ite
     """Inside, layer l's pre-RoPE keys are k -> P_l k (`projectors`: layer index -> (width, width)); transformers' own
     classes compute everything else. Exact for both layouts: a RoPE-commuting P gives the scores its latent would."""
 
-    def project(matrix: torch.Tensor):
+    def project(matrix: torch.Tensor, heads_first: bool):
         def hook(module, inputs, output):
-            flat = output.reshape(-1, matrix.shape[0])
-            return (flat @ matrix.to(flat.device, flat.dtype).T).reshape(output.shape)
+            flat = token_rows(output, matrix.shape[0], heads_first) @ matrix.to(output.device, output.dtype).T
+            if heads_first:  # back to (B, KV, T, d)
+                batch, heads, length, dim = output.shape
+                return flat.reshape(batch, length, heads, dim).transpose(1, 2)
+            return flat.reshape(output.shape)
 
         return hook
 
     layers = model.model.layers
-    handles = [key_module(layers[l].self_attn).register_forward_hook(project(p)) for l, p in projectors.items()]
+    handles = [
+        key_module(layers[l].self_attn).register_forward_hook(project(p, heads_first_keys(model, layers[l].self_attn)))
+        for l, p in projectors.items()
+    ]
     try:
         yield
     finally:

@@ -126,12 +126,12 @@ class KeySubspace:
         return self._costs[n]
 
 
-def plan_sizes(subspaces: list[KeySubspace], budget_values: int) -> list[int]:
-    """Per layer, how many directions to keep so that the cached key values of all layers together stay within
-    `budget_values` and the summed surrogate cost is low: greedy, each step adds the direction that lowers the cost
-    most per cached value."""
-    sizes = [0] * len(subspaces)
-    spent = 0
+def plan_sizes(subspaces: list[KeySubspace], budget_values: int, floor: int = 0) -> list[int]:
+    """Per layer, how many directions to keep (at least `floor`) so that the cached key values of all layers together
+    stay within `budget_values` and the summed surrogate cost is low: greedy, each step adds the direction that lowers
+    the cost most per cached value."""
+    sizes = [min(floor, sub.max_size) for sub in subspaces]
+    spent = sum(size * sub.values_per_step for size, sub in zip(sizes, subspaces))
     while True:
         best, best_gain = None, 0.0
         for index, sub in enumerate(subspaces):

@@ -10,8 +10,8 @@
     weights.py     a shared layer's tensors in a layer's state dict (fit record, parameter names, q/k replaced)
     method.py      LisaMethod, the pipeline unit
 
-The in-memory API of the research scripts and tests (measure_similarity, fit_lisa on a loaded model) is
-hfcompress/research.py.
+The in-memory driver of the research scripts (measure_similarity, fit_lisa on a loaded model) is research/inmemory.py,
+outside the package.
 """
 
 from .attention import attention_output, causal_mask, full_attention_scores, relative_error, rotary

@@ -3,8 +3,9 @@ matches the original layer's on the same input, anchored on what the converted l
 chain of shared layers are seen while fitting).
 
 Align starts from the head matching (mix[h, pi(h)] = least-squares scale of S_{l-1}[pi(h)] onto S_l[h]; "dense": a full
-head mix + FFN trained from there, "sparse": only that scale trained, "identity": no alignment, the same head copied);
-the low-rank Q/K (none with lowrank=False) starts small and random.
+head mix + FFN trained from there, "sparse": only that scale trained; with identity_align, a research ablation, no
+alignment: the same head copied); the low-rank Q/K (none with lowrank=False, a research ablation) starts small and
+random.
 """
 
 import math
@@ -52,7 +53,7 @@ def fit_shared_layer(
     """Train Align + low-rank Q/K of one shared layer (original attention module `original`, its calibration inputs
     x, what the converted layer below hands over: `Below`) on x's device; returns the module and its fit record."""
     start = time.perf_counter()
-    align = "dense" if options.align == "dense" else "sparse"  # identity = a sparse Align that stays the identity
+    align = options.align
     align_hidden = options.align_hidden if align == "dense" else 0
     key_heads = lowrank_key_heads(config, options.lowrank_keys)
     module = import_remote("lisa_attention").LisaSharedAttention(config, layer_idx, rank, align_hidden, align, key_heads)
@@ -86,7 +87,7 @@ def fit_shared_layer(
             ]
         )
         sample = slice(0, min(len(x), 8))
-        if options.align != "identity":
+        if not options.identity_align:
             scores, below_scores = full_attention_scores(original, x[sample], cos_sin), scores_of(rows(below, sample))
             if options.group_heads and align == "sparse":
                 probs = [torch.softmax(s + mask, dim=-1) for s in (scores, below_scores)]
@@ -97,7 +98,7 @@ def fit_shared_layer(
             else:
                 module.align.source.copy_(torch.tensor(matching))
                 module.align.scale.copy_(mix[torch.arange(len(matching)), matching])
-    if options.align == "identity":
+    if options.identity_align:
         module.align.requires_grad_(False)
     target_power = target.pow(2).mean()
 

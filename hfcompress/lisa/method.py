@@ -110,6 +110,9 @@ class LisaMethod(Method):
         self.config = config
         self.records, self.qk_params, self.below = [], [], None
         planner.notes["dropped_attention_layers"] = self.dropped  # FASC leaves a dropped attention's linears alone
+        # what each shared layer caches a token: the low-rank keys' budget counts it (keys/method.py)
+        share = kv_values(config, self.rank, lowrank_key_heads(config, options.lowrank_keys))["share"]
+        planner.notes["shared_kv_values"] = dict.fromkeys(self.chosen, share)
 
     def score(self, planner: Planner, layers: list[int], dropped: list[int]) -> float:
         """Selection perplexity of this method with the candidate plan (`layers` shared, `dropped` dropped)."""

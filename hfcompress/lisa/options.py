@@ -10,7 +10,7 @@ from .rank import LOWRANK_KEYS, lowrank_rank
 from .selection import check_drop_layers, check_shared_layers, most_with_max_chain, shareable_layers, too_few_candidates
 
 DEFAULT_SHARE_RATIO = 0.2
-ALIGN_KINDS = ("dense", "sparse", "identity")
+ALIGN_KINDS = ("dense", "sparse")
 # LisaOptions that do not change a fit
 SELECTION_ONLY = ("share_ratio", "layers", "protect_first", "ppl_budget", "max_chain", "plan", "drop_layers")
 
@@ -34,17 +34,20 @@ class LisaOptions:
     # shared Q/K parameters >= this many times smaller than W_Q + W_K. The paper's 6 gave SmolLM2 rank 6 per head; 3 with
     # keys per KV group gives rank 20 at about the same K cache (3 x 20 against 9 x 6 values a token): benchmarks/scaling.py
     qk_compression: float = option(3.0, "Shared layers' Q/K parameters are at least this many times smaller.")
-    # sparse (one scaled head: SDPA fast path, the default) | dense (head mix + FFN) | identity (none)
-    align: str = option("sparse", "Head alignment: dense, sparse (SDPA fast path) or identity.")
+    # sparse (one scaled head: SDPA fast path, the default) | dense (head mix + FFN)
+    align: str = option("sparse", "Head alignment: dense or sparse (SDPA fast path).")
     # dense Align: FFN width across heads; 0 = linear head mix only
     align_hidden: int = option(16, "Width of the dense alignment FFN (0 = linear head mix only).")
-    # low-rank Q/K correction (False: aligned previous scores only, an ablation)
-    lowrank: bool = option(True, "Low-rank Q/K correction in shared layers.", "--lowrank/--no-lowrank")
+    # research ablations, not on the CLI (research/inmemory.py ABLATIONS): no low-rank Q/K correction (aligned previous
+    # scores only), and a sparse Align left at the identity (each head copies its own head below; neither matched nor
+    # trained)
+    lowrank: bool = True
+    identity_align: bool = False
     # one low-rank key per KV "group" (GQA: a smaller cache, a higher rank), or per "head"
     lowrank_keys: str = option("group", "Low-rank keys of a shared layer: one per head, or per KV group.")
     # sparse Align: the query heads of one KV group read one KV head of the layer below, different groups different
     # ones, so a shared layer and its anchor fit in one vLLM paged cache of no more values a token than the
-    # original layers (hfcompress.vllm_plugin; docs/serving-vllm.md); False: each head its best match anywhere
+    # original layers (the vLLM plugin, vllm-plugin/; docs/serving-vllm.md); False: each head its best match anywhere
     group_heads: bool = option(
         False,
         "Sparse Align: the heads of one KV group read one KV head of the layer below, so vLLM caches no more than the "
@@ -82,6 +85,8 @@ class LisaOptions:
             raise HfcompressError(f"--lisa-ppl-budget must be a percentage > 0, got {self.ppl_budget}.")
         if self.align not in ALIGN_KINDS:
             raise HfcompressError(f"Unknown --lisa-align '{self.align}': choose one of {', '.join(ALIGN_KINDS)}.")
+        if self.identity_align and self.align != "sparse":
+            raise HfcompressError(f"identity_align leaves a sparse Align at the identity, and align is {self.align}: use align='sparse'.")
         if self.group_heads and self.align != "sparse":  # the fit would ignore it
             raise HfcompressError(
                 f"--lisa-group-heads matches heads for sparse Align, and --lisa-align is {self.align}: drop "

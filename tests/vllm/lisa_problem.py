@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import torch
 
-from hfcompress.vllm_plugin.lowrank import FP8_FORMATS, KeyPart, LowRankMetadata, SharedQuery, head_groups, quantize
+from hfcompress_vllm.lowrank import FP8_FORMATS, KeyPart, LowRankMetadata, SharedQuery, head_groups, quantize
 
 
 @dataclass

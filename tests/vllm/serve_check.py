@@ -17,7 +17,7 @@ import json
 import os
 import sys
 
-from hfcompress.vllm_plugin import exit_cleanly
+from hfcompress_vllm import exit_cleanly
 
 
 def engine(model_dir: str, max_model_len: int, chunk: int = 64, kv_cache_dtype: str = "auto", dtype: str = "float32",
@@ -86,7 +86,7 @@ def kv_capacity(engine) -> int | None:
 
 
 def layout(llm_engine) -> dict:
-    from hfcompress.vllm_plugin.model import kv_layout
+    from hfcompress_vllm.model import kv_layout
 
     if not hasattr(llm_engine.vllm_config.model_config.hf_config, "lisa_layers"):
         return {}

@@ -14,8 +14,8 @@ import pytest
 # a submodule: tests/ is on sys.path (tests/conftest.py), where this folder alone would import as a namespace "vllm"
 pytest.importorskip("vllm.entrypoints.llm")
 
-from hfcompress.vllm_plugin import register  # noqa: E402
-from hfcompress.vllm_plugin.configs import CONFIG_CLASSES, FAMILIES, UnservableModel  # noqa: E402
+from hfcompress_vllm import register  # noqa: E402
+from hfcompress_vllm.configs import CONFIG_CLASSES, FAMILIES, UnservableModel  # noqa: E402
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=64)  # fmt: skip
@@ -26,7 +26,7 @@ def test_every_family_of_the_table_is_registered():
     from transformers import AutoConfig
     from vllm import ModelRegistry
 
-    from hfcompress.vllm_plugin import model
+    from hfcompress_vllm import model
 
     register()
     assert set(CONFIG_CLASSES) == {family.converted_model_type for family in FAMILIES.values()}
@@ -40,7 +40,7 @@ def test_every_family_of_the_table_is_registered():
 
 @pytest.mark.parametrize("model_type", sorted(CONFIG_CLASSES))
 def test_the_cache_plan_comes_from_config_json(model_type):
-    from hfcompress.vllm_plugin.model import plan_layers
+    from hfcompress_vllm.model import plan_layers
 
     spec = {"rank": 4, "align": "sparse", "align_hidden": 0, "key_heads": 2, "source": SOURCE}
     config = CONFIG_CLASSES[model_type](**TINY, lisa_layers={"3": spec})
@@ -55,3 +55,12 @@ def test_a_config_without_the_cache_layout_is_refused():
         CONFIG_CLASSES["lisa_llama"](**TINY, lisa_layers={"2": spec, "3": spec})
     message = str(refused.value)
     assert message.startswith("config.json: lisa_layers [2, 3] state no `source`") and "convert it again" in message
+
+
+def test_a_model_with_low_rank_keys_is_refused_in_one_sentence():
+    """Key latents (`key_ranks`, `convert --kv-budget`) have no paged cache in the plugin yet: refused at config load,
+    naming the layers and what to do, not served wrongly."""
+    with pytest.raises(UnservableModel) as refused:
+        CONFIG_CLASSES["lisa_qwen2"](**TINY, key_ranks={"0": 12, "2": 20})
+    message = str(refused.value)
+    assert message.startswith("config.json: layers [0, 2] cache a latent of their keys") and "--kv-budget 1.0" in message

@@ -1,4 +1,4 @@
-"""The C++ attention kernel of LISA shared layers (hfcompress/vllm_plugin/lisa_attention.cpp) against its torch
+"""The C++ attention kernel of LISA shared layers (vllm-plugin/src/hfcompress_vllm/lisa_attention.cpp) against its torch
 reference (lowrank.torch_attention), on random caches in vLLM's layouts with shuffled block tables (lisa_problem.py):
 several requests of mixed lengths (decodes, a prefill chunk after cached keys, a whole prefill, rows past the block
 size, block sizes differing per cache), GQA with free head maps per part, chains of two low-rank parts, one low-rank key per query head, a root head size
@@ -19,7 +19,7 @@ pytest.importorskip("vllm.entrypoints.llm")
 
 from lisa_problem import Problem, random_problem  # noqa: E402
 
-from hfcompress.vllm_plugin.lowrank import FP8_FORMATS, SharedQuery, kernel_attention, lisa_kernel, torch_attention  # noqa: E402
+from hfcompress_vllm.lowrank import FP8_FORMATS, SharedQuery, kernel_attention, lisa_kernel, torch_attention  # noqa: E402
 
 # (keys, query rows): decodes (one key, a block edge, long), a prefill chunk after 35 cached keys, a whole prefill
 REQUESTS = [(1, 1), (33, 1), (100, 1), (75, 40), (50, 50), (300, 1), (129, 1)]
@@ -124,7 +124,7 @@ def test_kernel_in_half_precision_is_at_least_as_close_as_the_reference(dtype):
 
 def test_without_a_compiler_the_plugin_warns_once_and_attends_in_torch(tmp_path):
     """A failed build (here: no compiler, an empty extension cache) is one warning and the torch path, not an error."""
-    code = "from hfcompress.vllm_plugin.lowrank import lisa_kernel; print(lisa_kernel(), lisa_kernel())"
+    code = "from hfcompress_vllm.lowrank import lisa_kernel; print(lisa_kernel(), lisa_kernel())"
     env = dict(os.environ, CXX=str(tmp_path / "no-g++"), TORCH_EXTENSIONS_DIR=str(tmp_path), HFCOMPRESS_VLLM_ATTENTION="auto")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

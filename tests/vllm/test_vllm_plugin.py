@@ -1,4 +1,4 @@
-"""The hfcompress vLLM plugin (hfcompress/vllm_plugin) against the remote code (issue 27). Runs in .venv-vllm only.
+"""The hfcompress vLLM plugin (vllm-plugin/src/hfcompress_vllm) against the remote code (issue 27). Runs in .venv-vllm only.
 
 - Exact: fp32 greedy tokens equal to the remote code's and max |delta log-prob| <= 1e-4 on 32 prompts of mixed lengths
   (served twice: 40 sequences), with chunked prefill (a 64-token budget: long prompts prefilled in chunks), prefix
@@ -15,9 +15,10 @@
 - bf16: served at bf16 (model and KV cache), a converted model is as close to its fp32 reference as the original served
   by stock vLLM's Llama at bf16 is to transformers' fp32 one (the shared layers in the lowrank layout, the root's keys
   read as the CPU backend's bf16 ISA lays them out: "vec" transposed, or packed for AMX tiles).
-- Refusals: a dense-Align model, an unknown layer kind and a model whose config.json does not state its shared layers'
-  `source` (converted before hfcompress wrote it) are refused while vLLM reads config.json, with one sentence naming
-  the file and the option, before any KV cache is allocated.
+- Refusals: a dense-Align model, an unknown layer kind, a model whose config.json does not state its shared layers'
+  `source` (converted before hfcompress wrote it) and a model another hfcompress version converted are refused while
+  vLLM reads config.json, with one sentence naming the file and the option (or the release to install), before any
+  KV cache is allocated.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def test_smollm2_is_exact_and_caches_no_more_than_the_original(vllm_models):
 
 
 def fp8_supported() -> bool:
-    from hfcompress.vllm_plugin.lowrank import root_cache_readable
+    from hfcompress_vllm.lowrank import root_cache_readable
 
     return root_cache_readable(torch.float32, 32, 64, "fp8")
 
@@ -118,7 +119,7 @@ def written_and_read(isa: str, dtype: torch.dtype, kv_cache_dtype: str, scale: f
     `root_key_blocks` in that ISA's layout + `dequantize`: (keys, read), fp32."""
     import vllm._custom_ops as ops
 
-    from hfcompress.vllm_plugin.lowrank import FP8_FORMATS, ROOT_LAYOUTS, dequantize, root_key_blocks
+    from hfcompress_vllm.lowrank import FP8_FORMATS, ROOT_LAYOUTS, dequantize, root_key_blocks
 
     fp8 = FP8_FORMATS.get(kv_cache_dtype)
     blocks, kv, block, d = 4, 2, 32, 64
@@ -145,7 +146,7 @@ def test_root_keys_are_read_where_the_cpu_backend_writes_fp8(kv_cache_dtype):
     """Keys written by vLLM's CPU backend op into an fp8 cache (a non-unit scale, two blocks out of order, one partly
     filled) and read back by `root_key_blocks` + `dequantize` are the keys, within the format's rounding step; a shared
     layer's own `quantize` round-trips within half a step and saturates instead of overflowing."""
-    from hfcompress.vllm_plugin.lowrank import FP8_FORMATS, dequantize, quantize
+    from hfcompress_vllm.lowrank import FP8_FORMATS, dequantize, quantize
 
     fp8 = FP8_FORMATS[kv_cache_dtype]
     step, tiny = fp8_steps(fp8)
@@ -166,7 +167,7 @@ def test_root_keys_are_read_where_the_amx_backend_writes_them(kv_cache_dtype):
     """bf16 on a CPU with AMX tiles: keys written by vLLM's own op with the "amx" ISA (packed in tiles of 16 positions,
     features in pairs; fp8 bytes the same way) into two blocks out of order, one partly filled, are read back by
     `root_key_blocks(..., "amx")` exactly in bf16, within the format's rounding step in fp8."""
-    from hfcompress.vllm_plugin.lowrank import FP8_FORMATS, root_cache_readable
+    from hfcompress_vllm.lowrank import FP8_FORMATS, root_cache_readable
 
     assert root_cache_readable(torch.bfloat16, 32, 64, kv_cache_dtype)
     keys, read = written_and_read("amx", torch.bfloat16, kv_cache_dtype, 1.0)
@@ -219,7 +220,7 @@ def test_bf16_is_as_close_as_the_originals(vllm_models):
     tiles) the shared layers serve in the lowrank layout (elsewhere the concatenated-feature one, grouped here), and
     the converted model fits
     more tokens in the same cache space than the original (1.78x: 288 vs 512 cached features a token)."""
-    from hfcompress.vllm_plugin.lowrank import root_cache_readable
+    from hfcompress_vllm.lowrank import root_cache_readable
 
     converted = check(vllm_models, "llama-wide", dtype="bfloat16")
     original = check(vllm_models, "llama-wide-original", dtype="bfloat16")
@@ -298,3 +299,14 @@ def test_eval_through_vllm_gives_the_transformers_perplexity(vllm_models, tmp_pa
         served, reference = results["vllm"][key], results["transformers"][key]
         assert served["tokens"] == reference["tokens"] > 1000
         assert abs(served["perplexity"] / reference["perplexity"] - 1) <= 0.005
+
+
+def test_a_model_of_another_hfcompress_version_is_refused_at_load(vllm_models, tmp_path):
+    """vLLM reads config.json through the plugin's config class (from_dict): a model that another hfcompress version
+    converted is refused there, naming the plugin release to install, before the engine allocates anything."""
+
+    def other_version(config):
+        config["hfcompress_version"] = "0.0.9"
+
+    err = refusal(vllm_models, other_version, tmp_path)
+    assert "config.json: the model was converted by hfcompress 0.0.9" in err and "pip install 'hfcompress-vllm==0.0.9'" in err

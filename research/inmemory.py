@@ -1,6 +1,7 @@
-"""The in-memory API of the research scripts (benchmarks/) and the tests: every method on a model loaded whole, without
-the streamed driver. The pipeline never imports this module; each function does what the methods' pipeline units do
-layer by layer (lisa.LisaMethod, fasc.FascMethod, distill.Distillation), with the same functions underneath.
+"""The in-memory driver of the research scripts (benchmarks/): every method on a model loaded whole, without the
+streamed pipeline. Research code, not in the wheel; the product never imports it. Each function does what the
+methods' pipeline units do layer by layer (lisa.LisaMethod, fasc.FascMethod, distill.Distillation), with the same
+functions underneath. Ablations the CLI does not offer are LisaOptions built here (`ABLATIONS`).
 """
 
 import tempfile
@@ -9,22 +10,23 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .build import assemble, converted_config, in_converted_classes
-from .calibrate import LinearStats
-from .distill import DistillData, Distillation, DistillOptions
-from .fasc import FascLayerResult, FascOptions, decompose, dependence_violation, layer_result, plan_ranks, replace_linear, trusted_layers
-from .lisa import (
+from hfcompress.build import assemble, converted_config, in_converted_classes
+from hfcompress.calibrate import LinearStats
+from hfcompress.distill import DistillData, Distillation, DistillOptions
+from hfcompress.fasc import FascLayerResult, FascOptions, decompose, dependence_violation, layer_result, plan_ranks, replace_linear, trusted_layers
+from hfcompress.lisa import (
     FittedLayer, LayerSimilarity, LisaOptions, SIMILARITY_SEQUENCES, fit_inputs, fit_shared_layer, handed_over,
     layer_similarity, lowrank_rank, replace_qk, rotary,
 )  # fmt: skip
-from .progress import progress_bar
+from hfcompress.progress import progress_bar
 
 __all__ = ["ABLATIONS", "build_converted_model", "compress_linears", "converted_state", "distill_model", "fit_lisa",
            "in_converted_classes", "measure_similarity"]  # fmt: skip
 
-# Named variants benchmarks/lisa_ablations.py compares (LisaOptions overrides; each is also a set of CLI flags)
+# Named variants benchmarks/lisa_ablations.py compares (LisaOptions overrides; identity_align and lowrank=False are
+# research ablations, not on the CLI)
 ABLATIONS = {
-    "direct": dict(align="identity", lowrank=False),  # previous scores copied head for head, nothing trained
+    "direct": dict(identity_align=True, lowrank=False),  # previous scores copied head for head, nothing trained
     "align only": dict(align="dense", lowrank=False),
     "dense + low-rank": dict(align="dense"),
     "linear + low-rank": dict(align="dense", align_hidden=0),

@@ -1,7 +1,7 @@
 """Prompt log-probabilities through vLLM, for `hfcompress eval DIR --engine vllm` (hfcompress/evaluate.py).
 
-Runs in the vLLM environment (.venv-vllm), called by `hfcompress eval` from the main one:
-    python -m hfcompress.vllm_plugin.score MODEL_DIR WINDOWS.json OUT.json
+Runs in vLLM's environment (HFCOMPRESS_VLLM_PYTHON), called by `hfcompress eval` from hfcompress's own:
+    python -m hfcompress_vllm.score MODEL_DIR WINDOWS.json OUT.json
 WINDOWS.json: {"windows": [[token ids], ...], "dtype": "float32", "kv_cache_dtype": "auto"} (vLLM's kv_cache_dtype);
 OUT.json: {"nll": [[-log p(token t | tokens < t) for t = 1..len-1], ...], "kv_capacity_tokens": N}. Each window is one prompt (max_tokens=1, prompt_logprobs=0: the
 log-prob of each actual prompt token), all windows in one `generate` call, prefix caching off (every window scored

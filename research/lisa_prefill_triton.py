@@ -1,16 +1,18 @@
 """LISA prefill and fused low-rank-linear Triton kernels, and the backend-dispatching wrappers of all three ops.
 
-Not shipped with converted models: the LisaLlama model calls only the decode kernel (kernels/lisa_kernels.py ->
-kernels/lisa_attention_triton.py). These are kept for the benchmarks (benchmarks/kernel_speed.py) and the kernel
-tests (tests/test_kernels.py). Load this file as one package spanning kernels/ and benchmarks/ (flat relative
-imports, as on the Hub; see `load_kernels` in benchmarks/kernel_speed.py): it reuses the decode file's helpers and
-Triton building blocks, and the torch references of benchmarks/lisa_attention_reference.py.
+Research code, not in the wheel nor shipped with converted models: the model calls only the decode kernel
+(kernels/lisa_kernels.py -> kernels/lisa_attention_triton.py). These are kept for the benchmarks
+(benchmarks/kernel_speed.py) and the kernel tests (tests/test_kernels.py). Load this file as one package spanning
+kernels/, modeling/ and research/ (flat relative imports, as on the Hub; see `load_kernels` in
+benchmarks/kernel_speed.py): it reuses the decode file's helpers and Triton building blocks, and its torch path is the
+shipped reference, modeling/lisa_reference.py.
 
-Ops (math in `lisa_attention_reference.py`); every public op dispatches to Triton when its tensors are on CUDA
-and Triton is importable, otherwise to the torch reference (`backend="auto"|"triton"|"torch"`):
+Ops (math in modeling/lisa_reference.py, dense Align); every public op dispatches to Triton when its tensors are on
+CUDA and Triton is importable, otherwise to its torch path (`backend="auto"|"triton"|"torch"`): `lisa_decode_torch`,
+`lisa_prefill_torch` (the reference in float32; a row with no visible key gives 0) and `lowrank_linear_torch`:
 
 * `lisa_decode`   - the decode kernel of kernels/lisa_attention_triton.py (`lisa_decode_triton`) behind the
-  dispatch, with the torch reference as fallback.
+  dispatch, with the torch path as fallback.
 * `lisa_prefill`  - causal prefill, FlashAttention-2 style online softmax over key tiles, GQA.
     - materialised path (`s_prev` given, or the FFN is present, or `return_scores=True`):
       `_lisa_scores_kernel` builds S tile-wise with all heads per tile (mix and FFN as tensor-core dots
@@ -42,7 +44,6 @@ import math
 
 import torch
 
-from .lisa_attention_reference import lisa_decode_reference, lisa_prefill_reference, lowrank_linear_reference
 from .lisa_attention_triton import (  # noqa: F401 - decode names re-exported for kernel_speed.py and the tests
     _DTYPES,
     _INTERPRET,
@@ -68,6 +69,7 @@ from .lisa_attention_triton import (  # noqa: F401 - decode names re-exported fo
     triton_available,
 )
 from .lisa_kernels import _module_align_weights, fused_lisa_decode  # noqa: F401 - re-exported
+from .lisa_reference import shared_attention_reference
 
 __all__ = [
     "HAS_TRITON",
@@ -524,6 +526,68 @@ def lowrank_linear_triton(x, b_w, a_w, bias=None, *, block_r=None, split_k=None)
 # ------------------------------------------------------------------------------------------------
 
 
+def _reference_attention(
+    s_prev: torch.Tensor, mix: torch.Tensor, bias: torch.Tensor | None, w1: torch.Tensor | None,
+    b1: torch.Tensor | None, w2: torch.Tensor | None, qlr: torch.Tensor | None, klr: torch.Tensor | None,
+    v: torch.Tensor, attn_mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The shipped reference (dense Align) in float32 with the kernels' conventions: a causal mask plus `attn_mask`, no
+    low-rank term for qlr None or of width 0, a row with no visible key gives 0. s_prev (B,H,Tq,Tk) -> (out in
+    v.dtype, S in s_prev.dtype)."""
+    batch, heads, q_len, kv_len = s_prev.shape
+    mask = torch.full((q_len, kv_len), float("-inf"), device=s_prev.device).triu(kv_len - q_len + 1)
+    extra = normalize_attn_mask(attn_mask, batch, q_len, kv_len)
+    if extra is not None:
+        mask = mask + extra.float()[:, None]
+    if qlr is None:
+        qlr, klr = s_prev.new_zeros(batch, heads, q_len, 0), s_prev.new_zeros(batch, heads, kv_len, 0)
+
+    def f32(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.float()
+
+    out, scores = shared_attention_reference(
+        s_prev.float(), qlr.float(), klr.float(), v.float(), mix=mix.float(),
+        bias=mix.new_zeros(heads, dtype=torch.float32) if bias is None else bias.float(),
+        ffn_in_weight=f32(w1) if _has_ffn(w1) else None, ffn_in_bias=f32(b1), ffn_out_weight=f32(w2), mask=mask,
+    )  # fmt: skip
+    return out.nan_to_num(nan=0.0).to(v.dtype), scores.to(s_prev.dtype)
+
+
+def lisa_prefill_torch(
+    s_prev: torch.Tensor | None, mix: torch.Tensor, bias: torch.Tensor | None, w1: torch.Tensor | None,
+    b1: torch.Tensor | None, w2: torch.Tensor | None, qlr: torch.Tensor | None, klr: torch.Tensor | None,
+    v: torch.Tensor, attn_mask: torch.Tensor | None = None, *, q_prev: torch.Tensor | None = None,
+    k_prev: torch.Tensor | None = None, prev_scale: float | None = None, return_scores: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """`lisa_prefill`'s torch path (`_reference_attention`); S_prev = prev_scale q_prev k_prev^T where s_prev is None."""
+    if s_prev is None:
+        heads, kv_heads = q_prev.shape[1], k_prev.shape[1]
+        scale = q_prev.shape[-1] ** -0.5 if prev_scale is None else prev_scale
+        keys = k_prev.float().repeat_interleave(heads // kv_heads, dim=1)
+        s_prev = (q_prev.float() @ keys.transpose(-1, -2) * scale).to(q_prev.dtype)
+    out, scores = _reference_attention(s_prev, mix, bias, w1, b1, w2, qlr, klr, v, attn_mask)
+    return out, (scores if return_scores else None)
+
+
+def lisa_decode_torch(
+    s_prev: torch.Tensor, mix: torch.Tensor, bias: torch.Tensor | None, w1: torch.Tensor | None,
+    b1: torch.Tensor | None, w2: torch.Tensor | None, qlr: torch.Tensor | None, klr: torch.Tensor | None,
+    v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`lisa_decode`'s torch path: one query row, s_prev (B,H,Tk), qlr (B,H,r) -> (out (B,H,D), S (B,H,Tk))."""
+    out, scores = _reference_attention(
+        s_prev[:, :, None], mix, bias, w1, b1, w2, None if qlr is None else qlr[:, :, None], klr, v, attn_mask
+    )
+    return out[:, :, 0], scores[:, :, 0]
+
+
+def lowrank_linear_torch(
+    x: torch.Tensor, b_w: torch.Tensor, a_w: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`lowrank_linear`'s torch path: two GEMMs."""
+    return torch.nn.functional.linear(torch.nn.functional.linear(x, b_w), a_w, bias)
+
+
 def _use_triton(backend: str, *tensors) -> bool:
     if backend == "torch":
         return False
@@ -567,7 +631,7 @@ def lisa_decode(
         s_prev = s_prev[:, :, -1]
     if qlr is not None and qlr.dim() == 4:
         qlr = qlr[:, :, -1]
-    out, scores = lisa_decode_reference(s_prev, mix, bias, w1, b1, w2, qlr, klr, v, attn_mask)
+    out, scores = lisa_decode_torch(s_prev, mix, bias, w1, b1, w2, qlr, klr, v, attn_mask)
     return out, (scores if return_scores else None)
 
 
@@ -605,7 +669,7 @@ def lisa_prefill(
             s_prev, mix, bias, w1, b1, w2, qlr, klr, v, attn_mask,
             q_prev=q_prev, k_prev=k_prev, prev_scale=prev_scale, return_scores=return_scores, causal_skip=causal_skip,
         )  # fmt: skip
-    return lisa_prefill_reference(
+    return lisa_prefill_torch(
         s_prev, mix, bias, w1, b1, w2, qlr, klr, v, attn_mask,
         q_prev=q_prev, k_prev=k_prev, prev_scale=prev_scale, return_scores=return_scores,
     )  # fmt: skip
@@ -623,7 +687,7 @@ def lowrank_linear(
     rows = x.numel() // max(1, x.shape[-1])
     if backend != "torch" and rows <= 16 and _use_triton(backend, x, b_w, a_w):
         return lowrank_linear_triton(x, b_w, a_w, bias)
-    return lowrank_linear_reference(x, b_w, a_w, bias)
+    return lowrank_linear_torch(x, b_w, a_w, bias)
 
 
 def fused_lisa_prefill(

@@ -1,5 +1,9 @@
-"""The converted configs as vLLM reads them: the remote code's own config classes (modeling/configuration_lisa_*.py,
-imported in-process through hfcompress.remote; no trust_remote_code), each with the checks of what this plugin serves.
+"""The converted configs as vLLM reads them: the remote code's own config classes (modeling/configuration_lisa_*.py, the
+copy bundled in this plugin's wheel, imported in-process by remote_config.py; no trust_remote_code), each with the
+checks of what this plugin serves.
+
+Before anything else, while vLLM parses config.json (`from_dict`): the installed vLLM must be of the supported range and
+the model's converter of this plugin's version (versions.py), each refusal one sentence naming what to install.
 
 `layer_types` of a converted config names cache layer types ("lisa_attention", "dropped_sliding_attention", ...); for
 vLLM (and, for the families that keep a `layer_types` field, the family config of vLLM's transformers) it is turned back
@@ -16,7 +20,8 @@ each, `CONFIG_CLASSES`.
 
 from huggingface_hub.dataclasses import strict
 
-from hfcompress.remote import import_remote
+from .remote_config import import_remote
+from .versions import VersionMismatch, check_converter, check_vllm
 
 _lisa = import_remote("configuration_lisa")
 # the spec keys of a LISA layer the modeling (and this plugin) implements
@@ -32,6 +37,17 @@ class UnservableModel(ValueError):
 class LisaServableMixin:
     """Before a remote config's own __post_init__: refuses unknown layer kinds and hands the family config attention
     types; after it: refuses what the plugin cannot serve, and keeps the cache layer types in `lisa_cache_types`."""
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        # config.json as vLLM (AutoConfig.from_pretrained) reads it; not a config built in code (transformers builds
+        # default instances, e.g. in to_diff_dict, that state no converter version)
+        try:
+            check_vllm()
+            check_converter(config_dict)
+        except VersionMismatch as err:
+            raise UnservableModel(str(err)) from None
+        return super().from_dict(config_dict, **kwargs)
 
     def __post_init__(self, **kwargs):
         types = vars(self).get("layer_types")  # a field in the families that keep one (Qwen2, Qwen3, Gemma 3)
@@ -49,12 +65,18 @@ class LisaServableMixin:
         if unknown:
             raise UnservableModel(
                 f"config.json: layer_types {unknown} are layer kinds this hfcompress vLLM plugin does not serve; "
-                "upgrade hfcompress (pip install -U 'hfcompress[vllm]') to the version that converted the model."
+                "install the hfcompress-vllm release of the hfcompress version that converted the model."
             )
         return [CACHE_TYPES[t] for t in types]
 
     def check_servable(self) -> None:
         n = self.num_hidden_layers
+        if getattr(self, "key_ranks", None):  # issue 41: the paged cache of key latents is not built yet
+            raise UnservableModel(
+                f"config.json: layers {sorted(map(int, self.key_ranks))} cache a latent of their keys (key_ranks, "
+                "`hfcompress convert --kv-budget`), which this hfcompress vLLM plugin does not serve yet; serve the model "
+                "with transformers, or convert it with --kv-budget 1.0 for vLLM."
+            )
         dense, unknown = [], {}
         for key, spec in self.lisa_layers.items():
             extra = set(spec) - LISA_SPEC_KEYS

@@ -1,0 +1,46 @@
+"""Low-rank keys' options (`--kv-budget`): the whole model's KV cache as a fraction of the original's."""
+
+from dataclasses import dataclass
+
+from ..errors import HfcompressError
+from ..options import option
+
+# the narrowest latent a layer keeps: below it single layers' losses grow fast (benchmarks/results-key-compression*.md)
+MIN_KEY_RANK = 8
+
+
+@dataclass
+class KeyOptions:
+    # 1.0: off. The other methods' plans (shared, dropped attention) count towards it; the keys of the layers that keep
+    # their attention are narrowed until the whole cache fits
+    kv_budget: float = option(
+        1.0, "KV cache a token, as a fraction of the original's: the keys of every attention layer are compressed (a "
+        "Fisher-aligned latent, per-layer widths) until it fits, after sharing and dropping (1.0 = off)."
+    )  # fmt: skip
+
+    def validate(self) -> "KeyOptions":
+        if not 0.5 < self.kv_budget <= 1.0:
+            raise HfcompressError(
+                f"--kv-budget must be in (0.5, 1.0] (the values cache a token relative to the original's; the keys are "
+                f"half of them, and compressing only them cannot go to 0.5), got {self.kv_budget}."
+            )
+        return self
+
+    def check_against_model(self, config) -> None:
+        """The budget must leave every layer its values and MIN_KEY_RANK key values a token (a converted config: what
+        sharing or dropping would save besides is not planned yet)."""
+        if self.kv_budget == 1.0:
+            return
+        width, layers = key_width(config), config.num_hidden_layers
+        least = layers * (width + MIN_KEY_RANK)
+        if self.kv_budget * 2 * width * layers < least:
+            raise HfcompressError(
+                f"--kv-budget {self.kv_budget} is below what low-rank keys can reach on this model: every layer keeps "
+                f"its {width} values and at least {MIN_KEY_RANK} key values a token, {least / (2 * width * layers):.3f} "
+                "of the original's cache; give a larger --kv-budget."
+            )
+
+
+def key_width(config) -> int:
+    """Values of one token's keys in one layer: all KV heads side by side."""
+    return config.num_key_value_heads * config.head_dim

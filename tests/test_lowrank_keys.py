@@ -1,0 +1,233 @@
+"""Low-rank keys in the remote code (`key_ranks`, issue 41): a layer caches the key latent z = B k and reads RoPE(A z).
+
+The reference is transformers' own model of each family with its pre-RoPE keys projected, k -> A B k
+(`hfcompress.keys.projected_keys`: a hook on k_proj, or on k_norm where the family has one): every path of the converted
+model (no cache, a left-padded batch, the dynamic, sliding-window, static and quantized caches, chunked prefill, a LISA
+layer above, output_attentions) must compute what it computes. The tiny models of tests/test_families.py cover the five
+families, their windows (shorter than the sequences) and Gemma 3's two RoPE bases.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_families import CASES, LENGTH, assert_same_generation, checkpoints, greedy, ids_and_mask, tiny_model  # noqa: F401 (fixture)
+
+from hfcompress.build import converted_config
+from hfcompress.families import family_of
+from hfcompress.keys import projected_keys
+
+FAMILY_CASES = ["mistral", "qwen2", "qwen3", "gemma3", "mistral, no window"]
+
+
+def latent_factors(width: int, rank: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, A): a random rank-`rank` map of the keys, far from the identity and scaling them up (sharper attention than
+    the tiny random models', so a wrong path shows)."""
+    generator = torch.Generator().manual_seed(seed)
+    down = torch.randn(rank, width, generator=generator) / width**0.5
+    up = torch.randn(width, rank, generator=generator) * 4 / rank**0.5
+    return down, up
+
+
+def models_with_lowrank_keys(name: str, ranks: dict[int, int], lisa_layers: dict | None = None):
+    """(transformers' model with projected keys, the converted model with `key_ranks`, projectors by layer)."""
+    original = tiny_model(name)
+    config = converted_config(
+        original.config, {"key_ranks": {str(k): r for k, r in ranks.items()}, "lisa_layers": lisa_layers or {}}
+    )
+    _, cls = family_of(config).remote_classes()
+    model = cls(config).eval()
+    own = model.state_dict()
+    state = {k: v for k, v in original.state_dict().items() if k in own}
+    width = config.num_key_value_heads * config.head_dim
+    projectors = {}
+    for layer, rank in ranks.items():
+        down, up = latent_factors(width, rank, seed=layer)
+        state[f"model.layers.{layer}.self_attn.key_latent.proj_in.weight"] = down
+        state[f"model.layers.{layer}.self_attn.key_latent.proj_out.weight"] = up
+        projectors[layer] = up @ down
+    missing = model.load_state_dict(state, strict=False).missing_keys
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # LISA modules, when asked for: random
+        for key, param in model.named_parameters():
+            if key in missing:
+                assert ".self_attn." in key and int(key.split(".")[2]) in map(int, lisa_layers or {}), key
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    model.tie_weights()
+    return original, model, projectors
+
+
+@pytest.mark.parametrize("name", FAMILY_CASES)
+def test_lowrank_keys_equal_transformers_with_projected_keys(name):
+    """No cache (one sequence, a left-padded batch), greedy generation with the dynamic cache and with a static
+    one: the converted model computes transformers' model whose keys are projected; and the projection matters."""
+    original, model, projectors = models_with_lowrank_keys(name, {1: 10, 3: 7})
+    ids, mask = ids_and_mask(padded=True)
+    real = mask.bool()
+    with torch.no_grad():
+        plain = original(ids, attention_mask=mask).logits
+        with projected_keys(original, projectors):
+            want = original(ids, attention_mask=mask).logits
+            expected = greedy(original, ids, mask)
+        got = model(ids, attention_mask=mask).logits
+    assert (plain - want)[real].abs().max() > 1e-3  # the projection changes the model (100x the tolerance below)
+    torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-4)
+    assert_same_generation(greedy(model, ids, mask), expected)
+    assert_same_generation(greedy(model, ids, mask, cache_implementation="static"), expected)
+
+
+def test_a_model_of_standard_layer_types_generates_with_a_static_cache():
+    """A conversion that leaves every cache layer standard (nothing shared, no low-rank keys): generate hands the model
+    its masks by layer type for a static cache, and the model takes them."""
+    _, model, _ = models_with_lowrank_keys("mistral, no window", {})
+    ids, mask = ids_and_mask(padded=True)
+    assert_same_generation(greedy(model, ids, mask, cache_implementation="static"), greedy(model, ids, mask))
+
+
+@pytest.mark.parametrize("name", ["mistral", "qwen2", "gemma3"])
+def test_lowrank_keys_in_chunks_and_steps_through_a_sliding_window(name):
+    """A prompt fed in chunks (queries after a cached past longer than the window) and then one token at a time gives
+    the prefill's logits: the cache's positions, not the tokens' count, rotate the rebuilt keys."""
+    _, model, _ = models_with_lowrank_keys(name, {1: 10, 2: 12, 3: 7})
+    ids, mask = ids_and_mask(padded=True)
+    real = mask.bool()
+    with torch.no_grad():
+        whole = model(ids, attention_mask=mask).logits
+        first = model(ids[:, :8], attention_mask=mask[:, :8], use_cache=True)
+        second = model(ids[:, 8:12], attention_mask=mask[:, :12], cache=first.cache, use_cache=True)
+        steps, cache = [first.logits, second.logits], second.cache
+        for t in range(12, LENGTH):
+            step = model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=cache, use_cache=True)
+            steps.append(step.logits)
+            cache = step.cache
+    torch.testing.assert_close(torch.cat(steps, dim=1)[real], whole[real], atol=2e-4, rtol=1e-4)
+
+
+def test_the_cache_holds_the_latent_not_the_keys():
+    """A low-rank key layer's cache holds (B, 1, T, r) latents beside its (B, KV, T, d) values; other layers keep K."""
+    _, model, _ = models_with_lowrank_keys("qwen3", {2: 10})
+    ids, mask = ids_and_mask(padded=False)
+    with torch.no_grad():
+        cache = model(ids, attention_mask=mask, use_cache=True).cache
+    keys, values = cache.layers[2].keys, cache.layers[2].values
+    assert keys.shape == (2, 1, LENGTH, 10) and values.shape == (2, 2, LENGTH, 24)
+    assert cache.layers[1].keys.shape == (2, 2, LENGTH, 24)
+    assert model.config.cache_layer_types()[2] == "lisa_attention"
+
+
+def test_a_lisa_layer_above_low_rank_keys_reads_their_scores():
+    """A LISA layer whose anchor has low-rank keys: its features and score rows (prefill, decode) are the projected
+    ones; the model generates with and without the cache alike."""
+    lisa = {"2": {"rank": 4, "align": "sparse"}, "3": {"rank": 4, "align": "dense", "align_hidden": 4}}
+    _, model, _ = models_with_lowrank_keys("mistral, no window", {1: 9}, lisa_layers=lisa)
+    ids, mask = ids_and_mask(padded=True)
+    real = mask.bool()
+    with torch.no_grad():
+        fast = model(ids, attention_mask=mask).logits
+        materialised = model(ids, attention_mask=mask, output_attentions=True).logits
+    torch.testing.assert_close(materialised[real], fast[real], atol=1e-5, rtol=1e-4)
+    assert_same_generation(greedy(model, ids, mask), greedy(model, ids, mask, use_cache=False))
+
+
+@pytest.mark.parametrize("backend", ["quanto", "hqq"])
+def test_the_quantized_cache_quantizes_the_latent(backend):
+    """generate(cache_implementation="quantized"): a low-rank key layer's cache is the LISA quantized layer (its
+    latent grouped along the tokens); with more bits than the default the generation stays that of the float cache."""
+    pytest.importorskip("optimum.quanto" if backend == "quanto" else "hqq")
+    _, model, _ = models_with_lowrank_keys("qwen3", {1: 10, 3: 6})
+    ids, mask = ids_and_mask(padded=False)
+    nbits = 4 if backend == "quanto" else 8
+    config = {"backend": backend, "nbits": nbits, "q_group_size": 4, "residual_length": 4}
+    with torch.no_grad():
+        tokens, logits = greedy(model, ids, mask, cache_implementation="quantized", cache_config=config)
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+            cache_implementation="quantized", cache_config=config,
+        )  # fmt: skip
+    kinds = [type(layer).__name__ for layer in out.past_key_values.layers]
+    assert kinds[1].startswith("Lisa") and kinds[3].startswith("Lisa") and not kinds[0].startswith("Lisa")
+    float_tokens, float_logits = greedy(model, ids, mask)
+    assert torch.isfinite(logits).all()
+    if backend == "hqq":  # 8 bits: the same tokens
+        assert torch.equal(tokens, float_tokens)
+
+
+@pytest.mark.parametrize(
+    "ranks, message",
+    [
+        ({"9": 4}, "must be in 0..3"),
+        ({"1": 49}, "rank must be in 1..48"),
+        ({"1": 0}, "rank must be in 1..48"),
+    ],
+)
+def test_the_config_refuses_a_key_rank_it_cannot_take(ranks, message):
+    original = tiny_model("qwen3")
+    with pytest.raises(Exception, match=message):  # huggingface_hub's strict validation wraps the ValueError
+        converted_config(original.config, {"key_ranks": ranks})
+
+
+def test_low_rank_keys_on_a_lisa_or_dropped_layer_are_refused():
+    original = tiny_model("mistral, no window")
+    with pytest.raises(Exception, match="both a LISA layer and a low-rank key layer"):
+        converted_config(original.config, {"key_ranks": {"2": 8}, "lisa_layers": {"2": {"rank": 4}}})
+    with pytest.raises(Exception, match="attention dropped"):
+        converted_config(original.config, {"key_ranks": {"2": 8}, "dropped_attention_layers": [2]})
+
+
+assert set(FAMILY_CASES) <= set(CASES)
+
+
+# ------------------------------------------------------------------------------------------------ the conversion
+@pytest.mark.slow
+@pytest.mark.parametrize("name, extra", [("gemma3", ["--lisa-layers", "3"]), ("qwen2", ["--share-ratio", "0"])])
+def test_convert_compresses_the_keys_of_every_layer_within_the_budget(name, extra, checkpoints, tmp_path):
+    """`convert --kv-budget 0.8`: the layers that keep their attention get key latents whose widths (with the shared
+    layer's low-rank keys and every layer's values) fit the budget; the written model reloads in a fresh process with
+    the logits the streamed conversion computed (the report's reload check); distillation trains the latents."""
+    import json
+
+    from test_families import FAST
+    from typer.testing import CliRunner
+
+    from hfcompress.cli import app
+
+    out = tmp_path / "out"
+    fast = [arg for arg in FAST if arg not in ("--fasc-budget", "0.8")]
+    fast[fast.index("--distill-tokens") + 1] = "1024"
+    args = ["convert", str(checkpoints[name]), "--out", str(out), *fast, "--distill-seq-len", "32", "--kv-budget", "0.8", *extra]
+    result = CliRunner().invoke(app, args, env={"HFCOMPRESS_CACHE": str(tmp_path / "cache")})
+    assert result.exit_code == 0, result.output
+    config = json.loads((out / "config.json").read_text())
+    report = json.loads((out / "hfcompress_report.json").read_text())
+    shared = [int(k) for k in config["lisa_layers"]]
+    width = config["num_key_value_heads"] * config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    assert config["key_ranks"] and not set(map(int, config["key_ranks"])) & set(shared)
+    assert all(8 <= rank < width for rank in config["key_ranks"].values())
+    values = report["keys"]["kv_values_per_token"]
+    assert values["converted"] <= 0.8 * values["original"] and values["original"] == 4 * 2 * width
+    assert report["validation"]["reload"]["max_abs_logit_diff"] <= 1e-4
+    trained = report["finishers"]["distillation"]["trainable_parameters"]
+    assert trained >= sum(2 * width * r for r in config["key_ranks"].values())
+
+
+def test_kv_budget_out_of_range_is_refused_before_any_model_work(tmp_path):
+    from typer.testing import CliRunner
+
+    from hfcompress.cli import app
+
+    result = CliRunner().invoke(app, ["convert", str(tmp_path / "missing"), "--out", str(tmp_path / "o"), "--kv-budget", "0.4"])
+    assert result.exit_code == 2 and "--kv-budget must be in (0.5, 1.0]" in result.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_kv_budget_below_what_the_keys_can_reach_is_refused_before_calibration(checkpoints, tmp_path):
+    """0.51 leaves fewer than 8 key values a token a layer: refused with the figures, before calibration."""
+    from test_families import FAST
+    from typer.testing import CliRunner
+
+    from hfcompress.cli import app
+
+    args = ["convert", str(checkpoints["qwen2"]), "--out", str(tmp_path / "o"), *FAST, "--kv-budget", "0.51"]
+    result = CliRunner().invoke(app, args, env={"HFCOMPRESS_CACHE": str(tmp_path / "cache")})
+    assert result.exit_code == 2 and "below what low-rank keys can reach" in result.output, result.output
+    assert "calibrate" not in result.output and not (tmp_path / "o").exists()

@@ -77,6 +77,8 @@ def test_without_a_setting_the_current_interpreter_is_used_only_with_vllm_and_th
     assert "found no vLLM environment" in message and f"hfcompress-vllm[cpu]=={__version__}" in message
     assert "set HFCOMPRESS_VLLM_PYTHON" in message
     for name in ("vllm", "hfcompress_vllm"):  # both importable (find_spec: nothing is imported)
+        # an earlier test's importorskip("vllm.entrypoints.llm") leaves tests/vllm imported as a namespace package
+        monkeypatch.delitem(sys.modules, name, raising=False)
         (tmp_path / name).mkdir()
         (tmp_path / name / "__init__.py").write_text("raise AssertionError('imported')\n")
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -15,7 +15,7 @@ from .errors import (
 from .fasc import FascOptions
 from .keys import KeyOptions
 from .families import FAMILIES
-from .lisa import DEFAULT_SHARE_RATIO, LisaOptions
+from .lisa import SHOWN_SHARE_RATIO, LisaOptions
 from .options import option_spec
 from .source import BUILTIN_SOURCE
 
@@ -268,7 +268,7 @@ def analyze(
     json_out: Path = typer.Option(None, "--json", help="Also write the measurements as JSON."),
     rho: bool = typer.Option(False, "--rho", help="Also measure FASC rho per linear (needs backward passes)."),
     share_ratio: float = option(
-        LisaOptions, "share_ratio", default=DEFAULT_SHARE_RATIO, help="Show which layers convert would share at this ratio."
+        LisaOptions, "share_ratio", default=SHOWN_SHARE_RATIO, help="Show which layers convert --share-ratio R would share."
     ),
     protect_first: int = option(LisaOptions, "protect_first"),
     calib_text: str = option(TextOptions, "calib_text"),

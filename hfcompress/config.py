@@ -163,11 +163,11 @@ class ConvertOptions(TextOptions, OutputOptions, DeviceOptions):
         False, "Accept a source that declares custom code (auto_map); its code is never run.", "--trust-remote-code"
     )
     max_ppl_increase: float = option(10.0, "Quality gate: largest allowed perplexity increase, in percent.")  # percent
-    # a failed gate converts again with fewer changed layers (pipeline.fewer_changes) instead of ending the run;
-    # None = wherever --share-ratio sets the count on one process (backs_off)
+    # a failed gate converts again with fewer changes (pipeline.fewer_changes) instead of ending the run; None =
+    # wherever --share-ratio or --kv-budget sets how much changes, on one process (backs_off)
     back_off: bool | None = option(
-        None, "When the quality gate fails, convert again with fewer shared layers until it passes (default: on where "
-        "--share-ratio sets their number).", "--back-off/--no-back-off",
+        None, "When the quality gate fails, convert again with fewer changes until it passes: fewer shared layers, or a "
+        "--kv-budget closer to 1 (default: on where --share-ratio or --kv-budget sets them).", "--back-off/--no-back-off",
     )  # fmt: skip
     cache_dir: Path = field(default_factory=default_cache_dir)
     seed: int = option(0, "Random seed (fitting and probes).")
@@ -190,7 +190,7 @@ class ConvertOptions(TextOptions, OutputOptions, DeviceOptions):
     def changes_layers(self) -> bool:
         """Whether a method creates parameters (shares a layer, factorises one, compresses keys): what distillation can
         train. A plan that only drops attention creates none."""
-        shares = self.lisa.plan != "drop" and not (self.lisa.layers == [] or self.lisa.share_ratio == 0)
+        shares = self.lisa.plan != "drop" and self.lisa.shares_layers
         return shares or self.fasc.budget < 1.0 or self.keys.kv_budget < 1.0
 
     def validate(self) -> "ConvertOptions":
@@ -213,8 +213,9 @@ class ConvertOptions(TextOptions, OutputOptions, DeviceOptions):
         self.distill.validate()
         if self.distill.tokens and not self.distill.trains_something(self.changes_layers):
             raise HfcompressError(
-                "--distill-tokens trains what the conversion creates, and this one shares no layer and factorises none: "
-                "share layers (--share-ratio, --lisa-layers, --lisa-ppl-budget), set --fasc-budget below 1.0, or add --distill-lora-rank."
+                "--distill-tokens trains what the conversion creates, and this one shares no layer, factorises none and "
+                "compresses no keys: set --kv-budget below 1.0, share layers (--share-ratio, --lisa-layers, "
+                "--lisa-ppl-budget), set --fasc-budget below 1.0, or add --distill-lora-rank."
             )
         self.quantize.validate()
         self.distill.check_launch()
@@ -223,8 +224,8 @@ class ConvertOptions(TextOptions, OutputOptions, DeviceOptions):
 
     @property
     def backs_off(self) -> bool:
-        """Whether a failed gate converts again with fewer changed layers: asked for, or by default wherever it can (the
-        count comes from --share-ratio, on one process)."""
+        """Whether a failed gate converts again with fewer changes: asked for, or by default wherever it can (the count
+        comes from --share-ratio, or the budget from --kv-budget, on one process)."""
         if self.back_off is None:
             return self._back_off_refusal() is None
         return self.back_off
@@ -235,8 +236,12 @@ class ConvertOptions(TextOptions, OutputOptions, DeviceOptions):
             raise HfcompressError(refusal)
 
     def _back_off_refusal(self) -> str | None:
-        """Why --back-off cannot run with these options, or None: it lowers the count --share-ratio asks for, on one
-        process (the gate after distillation is the main process's)."""
+        """Why --back-off cannot run with these options, or None: it lowers the count --share-ratio asks for, or raises
+        --kv-budget towards 1, on one process (the gate after distillation is the main process's)."""
+        if launched_processes() > 1:
+            return "--back-off runs on one process: launch without accelerate/torchrun, or drop --back-off."
+        if self.keys.kv_budget < 1.0:
+            return None  # the key budget can always move towards 1
         chosen_by = {"--lisa-layers": self.lisa.layers, "--lisa-ppl-budget": self.lisa.ppl_budget}
         for flag, value in chosen_by.items():
             if value is not None:
@@ -244,10 +249,11 @@ class ConvertOptions(TextOptions, OutputOptions, DeviceOptions):
                     f"--back-off lowers the number of layers --share-ratio changes, and {flag} chooses them instead: "
                     f"drop {flag} (use --share-ratio) or drop --back-off."
                 )
-        if self.lisa.share_ratio == 0:
-            return "--back-off removes shared layers when the gate fails, and --share-ratio 0 shares none: drop --back-off."
-        if launched_processes() > 1:
-            return "--back-off runs on one process: launch without accelerate/torchrun, or drop --back-off."
+        if not self.lisa.shares_layers:
+            return (
+                "--back-off removes shared layers or raises --kv-budget when the gate fails, and this conversion shares "
+                "none and compresses no keys (--kv-budget 1.0): drop --back-off."
+            )
         return None
 
     def check_against_model(self, config) -> None:

@@ -117,8 +117,9 @@ class Method(ABC):
         a method whose changes --back-off leaves alone."""
         return {}
 
-    def with_fewer_changes(self, options, count: int):
-        """`options` (ConvertOptions) with this method's plan changing `count` layers; None when it cannot."""
+    def with_fewer_changes(self, options, count: int) -> "tuple[object, str] | None":
+        """`options` (ConvertOptions) with this method's plan changing `count` of its changed layers (or as much less as
+        that), and the change in words for the log; None when it cannot."""
         return None
 
 

@@ -38,6 +38,7 @@ from .memory import return_freed_memory
 from .methods import Finisher, Method
 from .output import save_rest, write_output
 from .passes import Converted, calibrate, convert_layers, plan
+from .peers import kv_values_per_token
 from .preflight import check_distill_text, check_output, check_push_target, check_run_disk, output_lock
 from .progress import console, heartbeat
 from .push import push_folder, require_token
@@ -76,7 +77,7 @@ def _convert_steps(options: ConvertOptions, argv: list[str] | None) -> Report:
         fewer = fewer_changes(options, methods, gate_rows) if options.backs_off and not gate_passed else None
         if fewer is None:
             break
-        tried.append(attempt_record(methods, gate_rows, gate_passed))
+        tried.append(attempt_record(run, converted, methods, gate_rows, gate_passed))
         whole.release()
         shutil.rmtree(converted.work, ignore_errors=True)  # the failed attempt's layer files
         console.log(
@@ -88,7 +89,7 @@ def _convert_steps(options: ConvertOptions, argv: list[str] | None) -> Report:
         whole.check(run, converted.config, converted.layer_files, results)
     report = build_report(run, methods, whole, results, converted.perplexities)
     if tried:
-        report.back_off = [*tried, attempt_record(methods, gate_rows, gate_passed)]
+        report.back_off = [*tried, attempt_record(run, converted, methods, gate_rows, gate_passed)]
     if not run.processes.is_main:
         return report
     out_dir = write_output(run, report, converted, out_dir)
@@ -142,26 +143,28 @@ def changes(methods: list[Method]) -> int:
     return sum(len(layers) for m in methods if m.active() for layers in m.changed_layers().values())
 
 
-def fewer_changes(options: ConvertOptions, methods: list[Method], gate_rows: list[dict]) -> tuple[ConvertOptions, int] | None:
-    """--back-off's next attempt after a failed gate, and its count of changed layers: as many as the worst text's
-    overshoot allows if every changed layer cost the same share of the increase, and at least one fewer. None when
-    none would be left, or no method can lower its count."""
-    changed = changes(methods)
+def fewer_changes(options: ConvertOptions, methods: list[Method], gate_rows: list[dict]) -> tuple[ConvertOptions, str] | None:
+    """--back-off's next attempt after a failed gate, and what it changes in words: the first method in the
+    registry's order (a share count, then the key budget) that can lower its changes to as many as the worst text's
+    overshoot allows if every changed layer cost the same share of the increase, and at least one fewer. None when no
+    method can."""
     worst = max(row["perplexity_increase_pct"] for row in gate_rows)
     limit = options.max_ppl_increase
-    count = min(changed - 1, math.floor(changed * limit / worst) if worst > 0 and limit > 0 else changed - 1)
-    if count < 1:
-        return None
-    lowering = next((m for m in methods if m.active() and m.changed_layers()), None)
-    fewer = lowering.with_fewer_changes(options, count) if lowering else None
-    return (fewer, count) if fewer is not None else None
+    for method in (m for m in methods if m.active() and m.changed_layers()):  # the registry's order
+        changed = sum(len(layers) for layers in method.changed_layers().values())
+        count = min(changed - 1, math.floor(changed * limit / worst) if worst > 0 and limit > 0 else changed - 1)
+        fewer = method.with_fewer_changes(options, count) if count >= 1 else None
+        if fewer is not None:
+            return fewer
+    return None
 
 
-def attempt_record(methods: list[Method], gate_rows: list[dict], gate_passed: bool) -> dict:
-    """One attempt of --back-off, for the report and the card: the layers it changed and its gate."""
+def attempt_record(run: Run, converted: Converted, methods: list[Method], gate_rows: list[dict], gate_passed: bool) -> dict:
+    """One attempt of --back-off, for the report and the card: the layers it changed, its KV cache and its gate."""
     changed = {kind: layers for m in methods if m.active() for kind, layers in m.changed_layers().items()}
+    kv_ratio = kv_values_per_token(converted.config) / kv_values_per_token(run.source_config)
     return {
-        "changed_layers": changed, "gate_passed": gate_passed,
+        "changed_layers": changed, "kv_ratio": kv_ratio, "gate_passed": gate_passed,
         "texts": [{"eval_text": row["eval_text"], "perplexity_increase_pct": row["perplexity_increase_pct"]} for row in gate_rows],
     }  # fmt: skip
 

@@ -66,7 +66,8 @@ def converted(_tiny_llama_template, tmp_path_factory) -> Path:
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
         monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
         result = CliRunner().invoke(
-            app, ["convert", str(source), "--out", str(out), "--max-ppl-increase", "1000", "--no-speed", "--no-probe", *FAST],
+            app, ["convert", str(source), "--out", str(out), "--max-ppl-increase", "1000", "--no-speed", "--no-probe",
+                  "--share-ratio", "0.25", *FAST],  # every method changes a layer: a section each
             env={"HFCOMPRESS_CACHE": str(root / "cache")},
         )
     assert result.exit_code == 0, result.output
@@ -109,12 +110,12 @@ def test_converted_card_metadata_and_sections(converted, report):
     assert "base_model" not in meta and "base_model_relation" not in meta
     assert "model-index" not in meta and "model_name" not in meta and "datasets" not in meta
     assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == "text-generation"
-    assert {"hfcompress", "lisa", "fasc", "custom_code"} <= set(meta["tags"]) and "distillation" not in meta["tags"]
+    assert {"hfcompress", "lisa", "fasc", "low-rank-keys", "custom_code"} <= set(meta["tags"]) and "distillation" not in meta["tags"]
     text = card.text
     assert "## What runs this model" in text and "trust_remote_code=True" in text
     assert f"lm_eval --model hf --model_args pretrained={converted.name},trust_remote_code=True" in text
     assert "**TGI, llama.cpp**: not yet" in text and "vllm serve" in text and "--engine vllm" in text  # sparse Align: served
-    assert "### LISA attention sharing" in text and "### FASC low-rank linears" in text
+    assert "### LISA attention sharing" in text and "### FASC low-rank linears" in text and "### Low-rank keys" in text
     assert "### Distillation" not in text and "## lm-evaluation-harness" not in text
     assert "None of these texts is a Hub dataset" in text
     for row in report["validation"]["texts"]:  # the texts table keeps both models
@@ -171,6 +172,11 @@ def _without_lisa(report: dict) -> dict:
     return report
 
 
+def _without_keys(report: dict) -> dict:
+    report["keys"] = None
+    return report
+
+
 def _without_fasc(report: dict) -> dict:
     for row in report["fasc"]["layers"]:
         row["rank"] = None
@@ -196,7 +202,7 @@ def test_lisa_only(report):
 
 
 def test_nothing_changed_and_distillation(report):
-    plain = _without_fasc(_without_lisa(copy.deepcopy(report)))
+    plain = _without_keys(_without_fasc(_without_lisa(copy.deepcopy(report))))
     text = render_card(plain, REPO).text
     assert "with no layer changed" in text and "Nothing: no layer was shared or factorised" in text
     assert "###" not in text

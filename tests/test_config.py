@@ -37,7 +37,7 @@ BAD = [
     (["--fasc-method", "magic"], "fisher, whiten, svd, pca"),
     (["--fasc-targets", "self_attn.q_proj"], "q_proj/k_proj are LISA's"),
     (["--fasc-rho-keep", "-1"], "--fasc-rho-keep must be >= 0"),
-    (["--distill-tokens", "4096", "--share-ratio", "0"], "--distill-tokens trains what the conversion creates"),
+    (["--distill-tokens", "4096", "--kv-budget", "1.0"], "--distill-tokens trains what the conversion creates"),
     (["--distill-tokens", "100"], "is less than one step"),
     (["--distill-tokens", "0", "--distill-lora-rank", "4"], "configures distillation, which --distill-tokens 0 turns off"),
     (["--distill-tokens", "4096", "--distill-data", "web"], "Unknown --distill-data 'web': choose one of calibration, generated, mixed"),
@@ -97,7 +97,7 @@ def test_sizes_and_one_meaning_per_name():
     assert parse_size("2GB") == 2 * 10**9 and parse_size("200KB") == 200_000 and parse_size("1.5GiB") == 3 * 2**29
     options = ConvertOptions(source="x", out=Path("unused")).validate()
     assert options.max_ppl_increase == 10.0 and options.lisa.ppl_budget is None  # the gate and the search budget
-    assert options.lisa.ratio == 0.2 and options.lisa.share_ratio is None
+    assert options.lisa.ratio == 0.0 and options.lisa.share_ratio is None and options.keys.kv_budget == 0.75
 
 
 def test_share_ratio_beyond_what_max_chain_allows_is_refused_before_calibration():
@@ -118,6 +118,7 @@ def test_convert_and_analyze_take_defaults_and_help_from_the_option_groups():
     import typer.main
 
     from hfcompress.config import DeviceOptions, DistillOptions, FascOptions, LisaOptions, TextOptions
+    from hfcompress.lisa import SHOWN_SHARE_RATIO
     from hfcompress.options import option_spec
 
     commands = typer.main.get_command(app).commands
@@ -131,5 +132,5 @@ def test_convert_and_analyze_take_defaults_and_help_from_the_option_groups():
         assert (convert[param].default, convert[param].help) == (spec.default, spec.help), param
         if param in analyze:
             assert (analyze[param].default, analyze[param].help) == (spec.default, spec.help), param
-    assert analyze["share_ratio"].default == LisaOptions().ratio  # analyze shows what convert's default ratio shares
+    assert analyze["share_ratio"].default == SHOWN_SHARE_RATIO > LisaOptions().ratio  # convert shares none by default
     assert convert["fasc_targets"].default == ",".join(FascOptions.targets)

@@ -296,7 +296,7 @@ def test_alignment_variants_convert_and_reload(tiny_llama_dir, tmp_path, flags):
     out = tmp_path / "out"
     result = runner.invoke(
         app, ["convert", str(tiny_llama_dir), "--out", str(out), "--max-ppl-increase", "1000", "--no-speed", "--no-probe",
-              "--fasc-budget", "1.0", *FAST[:-2], *BUILTIN_TEXTS, *flags],
+              "--fasc-budget", "1.0", "--share-ratio", "0.5", *FAST[:-2], *BUILTIN_TEXTS, *flags],
         env={"HFCOMPRESS_CACHE": str(tmp_path / "cache")},
     )
     assert result.exit_code == 0, result.output

@@ -282,7 +282,12 @@ def test_a_plan_that_only_drops_creates_nothing_to_distil(tmp_path):
     from hfcompress.config import ConvertOptions
     from hfcompress.lisa import LisaOptions
 
-    assert not ConvertOptions(source="x", out=tmp_path, lisa=LisaOptions(plan="drop")).changes_layers
-    assert ConvertOptions(source="x", out=tmp_path, lisa=LisaOptions(plan="mixed")).changes_layers
-    result = runner.invoke(app, ["convert", "x", "--out", str(tmp_path / "o"), "--layer-plan", "drop", "--distill-tokens", "4096"])
-    assert result.exit_code == 2 and "shares no layer and factorises none" in result.output
+    from hfcompress.keys import KeyOptions
+
+    no_keys = KeyOptions(kv_budget=1.0)
+    assert not ConvertOptions(source="x", out=tmp_path, lisa=LisaOptions(plan="drop"), keys=no_keys).changes_layers
+    assert ConvertOptions(source="x", out=tmp_path, lisa=LisaOptions(plan="mixed", share_ratio=0.2), keys=no_keys).changes_layers
+    assert ConvertOptions(source="x", out=tmp_path, lisa=LisaOptions(plan="drop")).changes_layers  # the default's keys
+    result = runner.invoke(app, ["convert", "x", "--out", str(tmp_path / "o"), "--layer-plan", "drop", "--kv-budget", "1.0",
+                                 "--distill-tokens", "4096"])  # fmt: skip
+    assert result.exit_code == 2 and "shares no layer, factorises none and compresses no keys" in result.output

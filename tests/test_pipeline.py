@@ -226,11 +226,11 @@ def test_methods_are_registered_units():
     assert [m.name for m in methods] == ["lisa", "keys", "fasc"] and set(METHODS) == {"lisa", "keys", "fasc"}
     assert [f.name for f in finishers] == ["distillation"] and set(FINISHERS) == {"distillation"}  # on by default
     assert build_methods(ConvertOptions(source="x", out=Path("y"), distill=DistillOptions(tokens=0)))[1] == []
-    assert build_methods(ConvertOptions(source="x", out=Path("y"), lisa=LisaOptions(share_ratio=0)))[1] == []  # nothing to train
-    keys_only = ConvertOptions(source="x", out=Path("y"), lisa=LisaOptions(share_ratio=0), keys=KeyOptions(kv_budget=0.75))
-    assert [f.name for f in build_methods(keys_only)[1]] == ["distillation"]  # the key latents train
-    methods, _ = build_methods(ConvertOptions(source="x", out=Path("y")))
-    assert [m.name for m in methods if m.active()] == ["lisa"]  # FASC at budget 1.0 is off
+    nothing = ConvertOptions(source="x", out=Path("y"), keys=KeyOptions(kv_budget=1.0))
+    assert build_methods(nothing)[1] == []  # nothing to train
+    methods, finishers = build_methods(ConvertOptions(source="x", out=Path("y")))
+    assert [f.name for f in finishers] == ["distillation"]  # the default's key latents train
+    assert [m.name for m in methods if m.active()] == ["lisa", "keys"]  # LISA shares none by default; FASC is off
     import inspect
 
     from hfcompress import gate, output, passes, run, token_streams
@@ -256,16 +256,20 @@ def test_a_new_plan_in_the_same_cache_converts_afresh(tiny, tmp_path):
 
 
 def test_back_off_is_refused_where_it_has_no_count_to_lower(tiny, tmp_path):
-    """--back-off lowers the count --share-ratio asks for: with an explicit list or a search it is refused before any
-    work, with the flag to drop."""
+    """--back-off lowers the count --share-ratio asks for or raises --kv-budget: with the keys off and an explicit list
+    or a search it is refused before any work, with the flag to drop."""
+    no_keys = KeyOptions(kv_budget=1.0)
     for lisa, flag in ((LisaOptions(layers=[2, 3]), "--lisa-layers"), (LisaOptions(ppl_budget=5.0), "--lisa-ppl-budget")):
         with pytest.raises(HfcompressError, match=f"--back-off .*{flag} chooses them instead"):
-            pipeline.convert(ConvertOptions(source=str(tiny), out=tmp_path / "out", back_off=True, lisa=lisa), argv=[])
-        assert not ConvertOptions(source=str(tiny), out=tmp_path / "out", lisa=lisa).validate().backs_off  # the default: off
+            pipeline.convert(ConvertOptions(source=str(tiny), out=tmp_path / "out", back_off=True, lisa=lisa, keys=no_keys), argv=[])
+        assert not ConvertOptions(source=str(tiny), out=tmp_path / "out", lisa=lisa, keys=no_keys).validate().backs_off  # the default: off
+        assert ConvertOptions(source=str(tiny), out=tmp_path / "out", lisa=lisa).validate().backs_off  # the keys' budget can rise
     assert not (tmp_path / "out").exists()
-    assert ConvertOptions(source=str(tiny), out=tmp_path / "out").backs_off  # on by default where --share-ratio counts
+    assert ConvertOptions(source=str(tiny), out=tmp_path / "out").backs_off  # on by default: the key budget
     assert not ConvertOptions(source=str(tiny), out=tmp_path / "out", back_off=False).backs_off
-    assert not ConvertOptions(source=str(tiny), out=tmp_path / "out", lisa=LisaOptions(share_ratio=0)).validate().backs_off
+    with pytest.raises(HfcompressError, match="shares none and compresses no keys"):
+        ConvertOptions(source=str(tiny), out=tmp_path / "out", back_off=True, keys=no_keys).validate()
+    assert ConvertOptions(source=str(tiny), out=tmp_path / "out", lisa=LisaOptions(share_ratio=0.5), keys=no_keys).backs_off
 
 
 @pytest.mark.slow  # up to five tiny conversions (their calibration shared)

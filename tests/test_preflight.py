@@ -314,7 +314,7 @@ def test_disk_filling_up_during_the_run(warm, tmp_path, limit_kb, needle):
     env = {**os.environ, "HFCOMPRESS_CACHE": str(tmp_path / "cache"), "COLUMNS": "300"}
     proc = subprocess.run(
         [sys.executable, "-m", "hfcompress.cli", "convert", str(tiny), "--out", str(out), "--overwrite",
-         "--dtype", "float32", *FAST],
+         "--dtype", "float32", "--share-ratio", "0.25", *FAST],  # a shared layer's fit files: the cache's largest
         env=env, capture_output=True, text=True, timeout=600, preexec_fn=_file_size_limit(limit_kb * 1024),
     )
     assert proc.returncode == 5, proc.stderr[-3000:]

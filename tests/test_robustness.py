@@ -205,7 +205,7 @@ def test_nan_perplexity(tiny_llama_dir, tmp_path, monkeypatch):
     rewrite_weights(tiny_llama_dir, overflow)
     monkeypatch.setenv("HFCOMPRESS_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "o"
-    result = convert(str(tiny_llama_dir), "--out", str(out), "--share-ratio", "0", *FAST)
+    result = convert(str(tiny_llama_dir), "--out", str(out), "--share-ratio", "0", "--kv-budget", "1.0", *FAST)  # no backward
     assert_refused(result, 2, "The source model's perplexity is nan", "NaN/inf logits", out=out)
 
 
@@ -294,7 +294,7 @@ def test_interrupted_conversion_resumes_from_cache(warm, tmp_path, monkeypatch):
     tiny, cache = warm
     monkeypatch.setenv("HFCOMPRESS_CACHE", str(cache))
     out = tmp_path / "o"
-    command = [str(tiny), "--out", str(out), "--max-ppl-increase", "1000", "--fasc-budget", "0.8", *FAST]
+    command = [str(tiny), "--out", str(out), "--max-ppl-increase", "1000", "--fasc-budget", "0.8", "--share-ratio", "0.5", *FAST]
 
     with monkeypatch.context() as m:
         interrupt_at(m, "validate: perplexity")  # after calibration, the fits and every converted layer
@@ -303,7 +303,7 @@ def test_interrupted_conversion_resumes_from_cache(warm, tmp_path, monkeypatch):
     assert not out.exists() and not leftovers(tmp_path)
     before = {k: v for k, v in cache_state(cache).items() if "/convert-" not in k}  # the layer files go into the output
     kinds = {name.split("/")[-1].split("-")[0].removesuffix(".pt") for name in before}
-    assert {"hidden", "similarity", "fit", "grad", "factors"} <= kinds, before  # statistics and trained modules
+    assert {"hidden", "similarity", "fit", "grad", "factors", "keys"} <= kinds, before  # statistics and trained modules
 
     result = convert(*command)  # the same command again
     assert result.exit_code == 0, result.output

@@ -141,6 +141,15 @@ class KeysMethod(Method):
         prefix = f"model.layers.{ctx.index}.self_attn.key_latent."
         return {**state, prefix + "proj_in.weight": down, prefix + "proj_out.weight": up}
 
+    def changed_layers(self) -> dict[str, list[int]]:
+        return {"low-rank keys": sorted(self.ranks)}
+
+    def with_fewer_changes(self, options, count: int):
+        """The key saving scaled by count / changed layers: a --kv-budget closer to 1 (the plan then narrows the keys
+        of about as many layers, each less)."""
+        budget = round(1.0 - (1.0 - self.options.kv_budget) * count / len(self.ranks), 4)
+        return replace(options, keys=replace(options.keys, kv_budget=budget)), f"--kv-budget {budget:g}"
+
     def config_entries(self) -> dict:
         return {"key_ranks": {str(idx): rank for idx, rank in self.ranks.items()}} if self.ranks else {}
 

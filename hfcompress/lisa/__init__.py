@@ -18,7 +18,7 @@ from .attention import attention_output, causal_mask, full_attention_scores, rel
 from .fit import FIT_REPORT_SEQUENCES, LOWRANK_INPUT_RMS, fit_inputs, fit_shared_layer, shared_attention
 from .handoff import Below, handed_over, hands_features, rows, scores_of
 from .method import LisaMethod
-from .options import ALIGN_KINDS, DEFAULT_SHARE_RATIO, SELECTION_ONLY, LisaOptions
+from .options import ALIGN_KINDS, DEFAULT_SHARE_RATIO, SELECTION_ONLY, SHOWN_SHARE_RATIO, LisaOptions
 from .rank import LOWRANK_KEYS, lowrank_key_heads, lowrank_rank
 from .selection import (
     check_attention_types, check_drop_layers, check_shared_layers, most_with_max_chain, ranked_candidates,
@@ -33,7 +33,7 @@ from .weights import (
 
 __all__ = [
     "ALIGN_KINDS", "DEFAULT_SHARE_RATIO", "FIT_REPORT_SEQUENCES", "LOWRANK_INPUT_RMS", "LOWRANK_KEYS", "PARAMETER_MARKERS",
-    "REPLACED", "SELECTION_ONLY", "SIMILARITY_SEQUENCES", "Below", "FittedLayer", "LayerSimilarity", "LisaMethod",
+    "REPLACED", "SELECTION_ONLY", "SHOWN_SHARE_RATIO", "SIMILARITY_SEQUENCES", "Below", "FittedLayer", "LayerSimilarity", "LisaMethod",
     "LisaOptions", "alignment_mix", "attention_energy", "attention_output", "causal_mask", "check_attention_types",
     "check_drop_layers", "check_shared_layers", "fit_inputs", "fit_shared_layer", "full_attention_scores",
     "group_matching", "handed_over", "hands_features", "is_lisa_parameter", "js_matrix", "layer_similarity",

@@ -9,7 +9,11 @@ from ..options import at_least, option
 from .rank import LOWRANK_KEYS, lowrank_rank
 from .selection import check_drop_layers, check_shared_layers, most_with_max_chain, shareable_layers, too_few_candidates
 
-DEFAULT_SHARE_RATIO = 0.2
+# LISA is off by default: at the same KV cache low-rank keys alone cost a fraction of what sharing adds (SmolLM2 at
+# 0.75x KV, distilled: keys +1.5% / +1.1%, 6 shared layers plus keys KL four times higher; README "Results")
+DEFAULT_SHARE_RATIO = 0.0
+# analyze's default: the layers a 20% share would take
+SHOWN_SHARE_RATIO = 0.2
 ALIGN_KINDS = ("dense", "sparse")
 # LisaOptions that do not change a fit
 SELECTION_ONLY = ("share_ratio", "layers", "protect_first", "ppl_budget", "max_chain", "plan", "drop_layers")
@@ -70,6 +74,13 @@ class LisaOptions:
     @property
     def ratio(self) -> float:
         return DEFAULT_SHARE_RATIO if self.share_ratio is None else self.share_ratio
+
+    @property
+    def shares_layers(self) -> bool:
+        """Whether the plan changes layers: an explicit non-empty list, a search, or a ratio above 0."""
+        if self.layers is not None:
+            return bool(self.layers)
+        return self.ppl_budget is not None or self.ratio > 0
 
     def validate(self) -> "LisaOptions":
         """Every range, enum and combination of LISA's options (one HfcompressError naming the first bad one)."""

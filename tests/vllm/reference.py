@@ -43,15 +43,16 @@ def free_sources(heads: int, generator: torch.Generator) -> list[int]:
     return torch.randperm(heads, generator=generator).tolist()
 
 
-# name -> (family case of test_families, lisa layers, layers whose sources cross KV groups, fasc linears, dropped)
+# name -> (family case of test_families, lisa layers, layers whose sources cross KV groups, fasc linears, dropped,
+# layers with low-rank keys: the root below a shared layer among them)
 TINY = {
-    "llama": ("llama", [1, 2], False, ["1.mlp.down_proj", "2.self_attn.o_proj", "0.self_attn.q_proj"], [3]),
-    "llama-own": ("llama", [2, 3], True, ["3.mlp.gate_proj"], []),
-    "mistral": ("mistral", [2], False, ["2.self_attn.v_proj"], [3]),
-    "qwen2": ("qwen2", [1, 3], False, ["0.self_attn.k_proj"], []),
-    "qwen3": ("qwen3", [1, 2], False, ["1.mlp.up_proj"], [3]),
-    "gemma3": ("gemma3", [1, 3], False, ["3.mlp.down_proj"], []),
-    "llama-wide": ("llama-wide", [1, 2], False, ["1.mlp.down_proj"], [3]),
+    "llama": ("llama", [1, 2], False, ["1.mlp.down_proj", "2.self_attn.o_proj", "0.self_attn.q_proj"], [3], [0]),
+    "llama-own": ("llama", [2, 3], True, ["3.mlp.gate_proj"], [], [0, 1]),
+    "mistral": ("mistral", [2], False, ["2.self_attn.v_proj"], [3], [0, 1]),
+    "qwen2": ("qwen2", [1, 3], False, ["0.self_attn.k_proj"], [], [0, 2]),
+    "qwen3": ("qwen3", [1, 2], False, ["1.mlp.up_proj"], [3], [0]),
+    "gemma3": ("gemma3", [1, 3], False, ["3.mlp.down_proj"], [], [0, 2]),
+    "llama-wide": ("llama-wide", [1, 2], False, ["1.mlp.down_proj"], [3], []),
 }
 
 
@@ -80,10 +81,11 @@ def tiny_original(case: str):
     return tiny_model(case), build_tiny_tokenizer()
 
 
-def convert_in_memory(original, lisa: list[int], cross_groups: bool, fasc: dict[str, int], dropped: list[int], seed: int):
+def convert_in_memory(original, lisa: list[int], cross_groups: bool, fasc: dict[str, int], dropped: list[int], seed: int,
+                      key_layers: tuple[int, ...] = ()):  # fmt: skip
     """The family's converted model of `original` with these LISA layers (sparse Align, low-rank keys per KV group,
-    small random low-rank Q/K, scales near 1), FASC linears (truncated SVD of the original weight) and dropped
-    attentions."""
+    small random low-rank Q/K, scales near 1), FASC linears (truncated SVD of the original weight), dropped attentions
+    and key latents (`key_ranks`: a random rank-(width*3/4) orthogonal projection of the keys)."""
     from hfcompress.build import converted_config
     from hfcompress.families import family_of
 
@@ -94,6 +96,9 @@ def convert_in_memory(original, lisa: list[int], cross_groups: bool, fasc: dict[
     entries = {"lisa_layers": spec, "fasc_ranks": fasc}
     if dropped:
         entries["dropped_attention_layers"] = dropped
+    width = kv * (getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    if key_layers:
+        entries["key_ranks"] = {str(i): width * 3 // 4 for i in key_layers}
     config = converted_config(cfg, entries)
     _, cls = family_of(config).remote_classes()
     model = cls(config).eval()
@@ -117,6 +122,11 @@ def convert_in_memory(original, lisa: list[int], cross_groups: bool, fasc: dict[
             attn.align.scale.copy_(1 + 0.2 * torch.randn(heads, generator=generator))
             sources = free_sources(heads, generator) if cross_groups else grouped_sources(heads, kv, generator)
             attn.align.source.copy_(torch.tensor(sources))
+        for idx in key_layers:
+            basis, _ = torch.linalg.qr(torch.randn(width, width * 3 // 4, generator=generator, dtype=torch.float64))
+            latent = model.model.layers[idx].self_attn.key_latent
+            latent.proj_in.weight.copy_(basis.T.float())
+            latent.proj_out.weight.copy_(basis.float())
     return model
 
 
@@ -181,10 +191,10 @@ def build(name: str, root: Path) -> None:
         model = convert_in_memory(original, [5, 6, 12, 13, 19, 20, 26, 27], False, fasc, [23], seed=5)
         max_len = 300
     else:
-        case, lisa, cross, fasc_paths, dropped = TINY[name]
+        case, lisa, cross, fasc_paths, dropped, key_layers = TINY[name]
         original, tokenizer = tiny_original(case)
         fasc = {path: 16 for path in fasc_paths}
-        model = convert_in_memory(original, lisa, cross, fasc, dropped, seed=len(name))
+        model = convert_in_memory(original, lisa, cross, fasc, dropped, seed=len(name), key_layers=tuple(key_layers))
         max_len = 120
     save(model, tokenizer, out)
     prompts = prompts_for(tokenizer, PROMPTS, max_len, seed=7)

@@ -55,12 +55,3 @@ def test_a_config_without_the_cache_layout_is_refused():
         CONFIG_CLASSES["lisa_llama"](**TINY, lisa_layers={"2": spec, "3": spec})
     message = str(refused.value)
     assert message.startswith("config.json: lisa_layers [2, 3] state no `source`") and "convert it again" in message
-
-
-def test_a_model_with_low_rank_keys_is_refused_in_one_sentence():
-    """Key latents (`key_ranks`, `convert --kv-budget`) have no paged cache in the plugin yet: refused at config load,
-    naming the layers and what to do, not served wrongly."""
-    with pytest.raises(UnservableModel) as refused:
-        CONFIG_CLASSES["lisa_qwen2"](**TINY, key_ranks={"0": 12, "2": 20})
-    message = str(refused.value)
-    assert message.startswith("config.json: layers [0, 2] cache a latent of their keys") and "--kv-budget 1.0" in message

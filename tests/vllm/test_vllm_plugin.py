@@ -3,7 +3,7 @@
 - Exact: fp32 greedy tokens equal to the remote code's and max |delta log-prob| <= 1e-4 on 32 prompts of mixed lengths
   (served twice: 40 sequences), with chunked prefill (a 64-token budget: long prompts prefilled in chunks), prefix
   caching (hits counted) and 16 concurrent sequences; on a tiny checkpoint of each family (shared layers, a chain, FASC
-  linears, a dropped attention) and, in the slow tier, on SmolLM2-135M with 8 shared layers.
+  linears, a dropped attention, low-rank keys: `key_ranks`, the root of a shared layer among them) and, in the slow tier, on SmolLM2-135M with 8 shared layers.
 - KV cache: a shared layer caches its low-rank keys and V (the "lowrank" layout, reading the root's K from the root's
   cache); SmolLM2 converted holds more tokens than the original in the same VLLM_CPU_KVCACHE_SPACE, as vLLM computes
   them. The concatenated-feature layouts (grouped, own; HFCOMPRESS_VLLM_KV=concat, where the root's cache is not

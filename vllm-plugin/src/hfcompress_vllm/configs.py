@@ -71,12 +71,6 @@ class LisaServableMixin:
 
     def check_servable(self) -> None:
         n = self.num_hidden_layers
-        if getattr(self, "key_ranks", None):  # issue 41: the paged cache of key latents is not built yet
-            raise UnservableModel(
-                f"config.json: layers {sorted(map(int, self.key_ranks))} cache a latent of their keys (key_ranks, "
-                "`hfcompress convert --kv-budget`), which this hfcompress vLLM plugin does not serve yet; serve the model "
-                "with transformers, or convert it with --kv-budget 1.0 for vLLM."
-            )
         dense, unknown = [], {}
         for key, spec in self.lisa_layers.items():
             extra = set(spec) - LISA_SPEC_KEYS

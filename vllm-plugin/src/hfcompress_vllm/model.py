@@ -391,6 +391,10 @@ class FullAttention(nn.Module):
             self.q_norm = NORMS[family.norm](d, eps=config.rms_norm_eps)
             self.k_norm = NORMS[family.norm](d, eps=config.rms_norm_eps)
         self.qk_norm = family.qk_norm
+        # low-rank keys (`key_ranks`): keys through the latent, A (B k), before RoPE, as the remote code rebuilds them;
+        # the paged cache holds the rebuilt keys (no latent cache here yet: exact, without the KV saving)
+        rank = (getattr(config, "key_ranks", None) or {}).get(str(plan.idx))
+        self.key_latent = FascLinear(self.kv_size, self.kv_size, int(rank), False, f"{prefix}.key_latent") if rank else None
         self.rotary_emb = get_rope(d, max_position=config.max_position_embeddings,
                                    rope_parameters=rope_parameters(config, plan.attention_type), is_neox_style=True)
         window = window_of(config, plan.attention_type)
@@ -411,6 +415,8 @@ class FullAttention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q.reshape(t, self.num_heads, d)).reshape(t, -1)
             k = self.k_norm(k.reshape(t, self.num_kv_heads, d)).reshape(t, -1)
+        if self.key_latent is not None:
+            k = run(self.key_latent, k)
         q, k = self.rotary_emb(positions, q, k)
         if self.plan.layout != "grouped":
             if self.padded == d:

@@ -231,3 +231,29 @@ def test_a_kv_budget_below_what_the_keys_can_reach_is_refused_before_calibration
     result = CliRunner().invoke(app, args, env={"HFCOMPRESS_CACHE": str(tmp_path / "cache")})
     assert result.exit_code == 2 and "below what low-rank keys can reach" in result.output, result.output
     assert "calibrate" not in result.output and not (tmp_path / "o").exists()
+
+
+def test_back_off_raises_the_kv_budget_by_the_overshoot():
+    """A failed gate with low-rank keys and no shared layer: the next attempt keeps the share of the key saving that the
+    worst text's overshoot allows (at least one layer's worth less), as a --kv-budget closer to 1; LISA, sharing
+    nothing, has nothing to lower. Measured end to end on SmolLM2: --kv-budget 0.6 failed (+17.4% / +18.6%) and backed
+    off to 0.7867 (docs/results.md)."""
+    from pathlib import Path
+
+    from hfcompress.config import ConvertOptions
+    from hfcompress.keys import KeyOptions
+    from hfcompress.pipeline import fewer_changes
+    from hfcompress.registry import build_methods
+
+    options = ConvertOptions(source="x", out=Path("o"), keys=KeyOptions(kv_budget=0.6))
+    methods, _ = build_methods(options)
+    keys = next(m for m in methods if m.name == "keys")
+    keys.ranks = dict.fromkeys(range(30), 40)  # the plan narrowed every layer's keys
+    rows = [{"perplexity_increase_pct": 17.39}, {"perplexity_increase_pct": 18.64}]
+    fewer, words = fewer_changes(options, methods, rows)
+    assert fewer.keys.kv_budget == round(1 - 0.4 * 16 / 30, 4) == 0.7867 and words == "--kv-budget 0.7867"
+    assert fewer.lisa == options.lisa and fewer.keys.kv_budget > options.keys.kv_budget
+    barely = fewer_changes(options, methods, [{"perplexity_increase_pct": 10.01}])[0]  # one layer's worth less
+    assert barely.keys.kv_budget == round(1 - 0.4 * 29 / 30, 4)
+    keys.ranks = {}  # nothing narrowed any more: nothing to lower
+    assert fewer_changes(options, methods, rows) is None

@@ -284,7 +284,8 @@ def test_back_off_converts_again_with_fewer_layers_until_the_gate_passes(tmp_pat
     tensors = load_file(tiny / "model.safetensors")
     save_file({k: v * 8 if ".q_proj." in k or ".k_proj." in k else v for k, v in tensors.items()}, tiny / "model.safetensors", metadata={"format": "pt"})
     cache = tmp_path / "cache"
-    base = {**SETTINGS, "fasc": FascOptions(), "lisa": LisaOptions(share_ratio=0.75, protect_first=1, steps=10)}
+    base = {**SETTINGS, "fasc": FascOptions(), "lisa": LisaOptions(share_ratio=0.75, protect_first=1, steps=10),
+            "keys": KeyOptions(kv_budget=1.0)}  # fmt: skip  (the keys' back-off: test_lowrank_keys.py)
 
     def increase(ratio: float) -> float:
         settings = {**base, "lisa": replace(base["lisa"], share_ratio=ratio)}
@@ -308,7 +309,8 @@ def test_back_off_converts_again_with_fewer_layers_until_the_gate_passes(tmp_pat
     # peers are computed for that one only, not for the attempts thrown away
     proc = subprocess.run(
         [sys.executable, "-m", "hfcompress.cli", "convert", str(tiny), "--out", str(tmp_path / "fails"), "--back-off",
-         *CLI_SETTINGS, "--fasc-budget", "1.0", "--share-ratio", "0.75", "--max-ppl-increase", "0", "--peers"],
+         *CLI_SETTINGS, "--fasc-budget", "1.0", "--share-ratio", "0.75", "--kv-budget", "1.0", "--max-ppl-increase", "0",
+         "--peers"],
         capture_output=True, text=True, env=dict(os.environ, HFCOMPRESS_CACHE=str(cache)), timeout=900,
     )  # fmt: skip
     assert proc.returncode == 3, proc.stderr[-2000:]

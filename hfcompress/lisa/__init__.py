@@ -33,8 +33,8 @@ from .weights import (
 
 __all__ = [
     "ALIGN_KINDS", "DEFAULT_SHARE_RATIO", "FIT_REPORT_SEQUENCES", "LOWRANK_INPUT_RMS", "LOWRANK_KEYS", "PARAMETER_MARKERS",
-    "REPLACED", "SELECTION_ONLY", "SHOWN_SHARE_RATIO", "SIMILARITY_SEQUENCES", "Below", "FittedLayer", "LayerSimilarity", "LisaMethod",
-    "LisaOptions", "alignment_mix", "attention_energy", "attention_output", "causal_mask", "check_attention_types",
+    "REPLACED", "SELECTION_ONLY", "SHOWN_SHARE_RATIO", "SIMILARITY_SEQUENCES", "Below", "FittedLayer", "LayerSimilarity",
+    "LisaMethod", "LisaOptions", "alignment_mix", "attention_energy", "attention_output", "causal_mask", "check_attention_types",
     "check_drop_layers", "check_shared_layers", "fit_inputs", "fit_shared_layer", "full_attention_scores",
     "group_matching", "handed_over", "hands_features", "is_lisa_parameter", "js_matrix", "layer_similarity",
     "lowrank_key_heads", "lowrank_rank", "most_with_max_chain", "ranked_candidates", "relative_error", "replace_qk",

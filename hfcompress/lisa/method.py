@@ -220,7 +220,8 @@ class LisaMethod(Method):
     def with_fewer_changes(self, options, count: int):
         if self.options.layers is not None or self.options.ppl_budget is not None:
             return None  # the layers are the user's list, or the search's choice: no count to lower
-        return replace(options, lisa=replace(options.lisa, share_ratio=count / self.config.num_hidden_layers)), f"{count} changed layers"
+        fewer = replace(options, lisa=replace(options.lisa, share_ratio=count / self.config.num_hidden_layers))
+        return fewer, f"{count} changed layers"
 
     def report(self) -> dict:
         config = self.config

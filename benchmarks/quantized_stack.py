@@ -3,9 +3,11 @@ original, the original with a 4-bit KV cache (transformers' QuantizedCache), a c
 with a 4-bit KV cache (its remote code's LisaQuantizedCache), with int8 weights (torchao), and with both.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/quantized_stack.py CONVERTED_DIR [--tokens 4096] [--backend quanto]
+        [--text numpy-docs|news]
 
 CONVERTED_DIR is an `hfcompress convert` output of the built-in SmolLM2 (e.g. `hfcompress convert --out DIR`).
-Perplexity: the Lee news corpus (gensim's test data; no conversion here calibrates on it), windows of 512 tokens read
+Perplexity: numpy-docs (technical documentation, which no step of a conversion sees; `--text news`: the Lee news
+corpus, one of the offline calibration mixture's four domains), windows of 512 tokens read
 through the cache 32 tokens at a time (every chunk attends to the quantized past: hfcompress.quantize.cached_perplexity).
 KV bytes per token: read from the cache tensors (packed codes, scales, zeros, residual window) after a 512-token
 prefill, float32 model. Weights: the bytes of the parameters as stored. One torch thread. Writes
@@ -23,7 +25,7 @@ from hfcompress.quantize import (
     cached_perplexity, check_kv_backend, kv_bytes_per_token, lisa_quantized_cache, load_quantized, weight_bytes,
 )  # fmt: skip
 from hfcompress.source import BUILTIN_SOURCE, load_source, resolve_source
-from hfcompress.text import news_text
+from hfcompress.text import news_text, numpy_docs_text
 
 OUT = Path(__file__).with_name("results-quantized-stack.md")  # quanto 4-bit; another KV setting: -BACKEND-NBITbit.md
 CONTEXT, CHUNK = 512, 32
@@ -44,6 +46,7 @@ def main() -> None:
     parser.add_argument("--backend", default="quanto", choices=["quanto", "hqq"])
     parser.add_argument("--nbits", type=int, default=4)
     parser.add_argument("--axis", type=int, default=None, help="axis_key and axis_value of the cache (default: transformers')")
+    parser.add_argument("--text", default="numpy-docs", choices=["numpy-docs", "news"])
     args = parser.parse_args()
     check_kv_backend(args.backend, args.nbits)
     torch.set_num_threads(1)
@@ -52,7 +55,7 @@ def main() -> None:
     original, tokenizer = load_source(resolve_source(BUILTIN_SOURCE))
     converted = AutoModelForCausalLM.from_pretrained(args.converted, trust_remote_code=True, dtype=torch.float32).eval()
     int8 = load_quantized(args.converted, "int8")
-    text = news_text()
+    text = numpy_docs_text() if args.text == "numpy-docs" else news_text()
     ids = torch.tensor(tokenizer(text.text).input_ids[: args.tokens])
     kv = {"nbits": args.nbits, **({"axis_key": args.axis, "axis_value": args.axis} if args.axis is not None else {})}
     bits = f"{args.nbits}-bit KV ({args.backend}{'' if args.axis is None else f', axis {args.axis}'})"
@@ -81,7 +84,8 @@ def main() -> None:
         "",
         f"Converted model: `{args.converted}` (lisa_layers {sorted(int(k) for k in converted.config.lisa_layers)}, "
         f"dropped_attention_layers {getattr(converted.config, 'dropped_attention_layers', None) or []}, "
-        f"fasc_ranks {len(converted.config.fasc_ranks)} linears), written by `{converted_by(args.converted)}`.",
+        f"fasc_ranks {len(converted.config.fasc_ranks)} linears, key_ranks {len(converted.config.key_ranks)} layers), "
+        f"written by `{converted_by(args.converted)}`.",
         f"Perplexity: {text.name}, {scored} tokens, windows of {CONTEXT} read through the cache {CHUNK} tokens at a time. "
         f"KV bytes per token: read from the cache tensors after a {CONTEXT}-token prefill (float32 model; a quantized "
         "cache's packed codes, scales and zeros). Weights: parameters as stored. 1 torch thread.",

@@ -56,7 +56,7 @@ def test_hub_round_trip(tiny_llama_dir, hub_api, hub_env, local_hub, tmp_path):
     env = {**hub_env, "HFCOMPRESS_CACHE": str(tmp_path / "cache")}
     proc = subprocess.run(
         [sys.executable, "-m", "hfcompress.cli", "convert", source_repo, "--out", str(out), "--push-to", target_repo,
-         "--max-ppl-increase", "1000", *FAST],
+         "--max-ppl-increase", "1000", "--share-ratio", "0.25", *FAST],
         env=env, capture_output=True, text=True,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

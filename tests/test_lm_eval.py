@@ -21,7 +21,7 @@ pytest.importorskip("lm_eval")
 runner = CliRunner()
 CONVERT = [
     "--distill-tokens", "0", "--calib-sequences", "6", "--seq-len", "64", "--eval-tokens", "512", "--lisa-steps", "10",
-    "--protect-first", "1", "--fasc-budget", "0.8", "--max-ppl-increase", "1000",
+    "--protect-first", "1", "--fasc-budget", "0.8", "--share-ratio", "0.25", "--max-ppl-increase", "1000",
     "--calib-text", "builtin", "--eval-text", "builtin", "--ood-text", "none", "--no-probe", "--no-speed",
 ]  # fmt: skip
 PROMPTS = [  # different lengths, so the harness's batch of 2 is left-padded

@@ -150,7 +150,7 @@ def test_a_conversion_on_a_busy_core_says_its_speed_was_not_trusted(tiny_llama_d
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "hfcompress.cli", "convert", str(tiny_llama_dir), "--out", str(out), "--device", "cpu",
-             "--max-ppl-increase", "1000", "--speed", "--no-probe", *FAST, *BUILTIN_TEXTS],
+             "--max-ppl-increase", "1000", "--speed", "--no-probe", "--share-ratio", "0.25", *FAST, *BUILTIN_TEXTS],
             env={**os.environ, "HFCOMPRESS_CACHE": str(tmp_path / "cache"), "HFCOMPRESS_SPEED_THREADS": "1"},
             capture_output=True, text=True, timeout=600, preexec_fn=pin,
         )  # fmt: skip

@@ -78,7 +78,7 @@ def test_a_run_in_a_log_and_a_rerun_that_converts_nothing(warm, tmp_path, monkey
     assert "reused from the cache" not in log
 
     (source / "generation_config.json").unlink()  # not part of the cache key: the calibration is reused
-    result = runner.invoke(app, ["convert", str(source), "--out", str(tmp_path / "b"), "--share-ratio", "0", *FAST])
+    result = runner.invoke(app, ["convert", str(source), "--out", str(tmp_path / "b"), "--kv-budget", "1.0", *FAST])
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
     assert "calibrate: forward: hidden states and statistics of 4 of 4 layers reused from the cache" in text, text

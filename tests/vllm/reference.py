@@ -9,7 +9,7 @@ model directory as it is (a real conversion's output or an original) on the smol
 
 Models (NAME): a tiny random checkpoint per family (tests/test_families.py's), converted in memory with the repo's own
 APIs (`converted_config`, the family's remote classes, `save_companion_files`): sparse-Align shared layers (a chain where
-the family allows one), FASC-factorised linears and a dropped-attention layer; "llama-own" has head matchings across KV
+the family allows one), FASC-factorised linears, a dropped-attention layer and key latents (`key_ranks`); "llama-own" has head matchings across KV
 groups (served with a shared layer's own cache in the concatenated-feature layouts); "llama-wide" is a Llama of head_dim
 32, which stock vLLM serves on CPU too: its original is written as well (OUT_DIR/llama-wide-original and its
 transformers reference, llama-wide-original.json), for the fp8 KV cache comparison; "smollm2" is the real

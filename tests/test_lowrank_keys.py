@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_families import CASES, LENGTH, assert_same_generation, checkpoints, greedy, ids_and_mask, tiny_model  # noqa: F401 (fixture)
+from test_families import (  # noqa: F401 (checkpoints: the fixture)
+    CASES, LENGTH, assert_same_generation, checkpoints, chunked_logits, greedy, ids_and_mask, tiny_model,
+)
 
 from hfcompress.build import converted_config
 from hfcompress.families import family_of
@@ -93,14 +95,8 @@ def test_lowrank_keys_in_chunks_and_steps_through_a_sliding_window(name):
     real = mask.bool()
     with torch.no_grad():
         whole = model(ids, attention_mask=mask).logits
-        first = model(ids[:, :8], attention_mask=mask[:, :8], use_cache=True)
-        second = model(ids[:, 8:12], attention_mask=mask[:, :12], cache=first.cache, use_cache=True)
-        steps, cache = [first.logits, second.logits], second.cache
-        for t in range(12, LENGTH):
-            step = model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=cache, use_cache=True)
-            steps.append(step.logits)
-            cache = step.cache
-    torch.testing.assert_close(torch.cat(steps, dim=1)[real], whole[real], atol=2e-4, rtol=1e-4)
+    chunked, _ = chunked_logits(model, ids, mask)
+    torch.testing.assert_close(chunked[real], whole[real], atol=2e-4, rtol=1e-4)
 
 
 def test_the_cache_holds_the_latent_not_the_keys():

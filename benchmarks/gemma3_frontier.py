@@ -22,13 +22,13 @@ sys.path.insert(0, str(ROOT / "tests"))  # tests/gemma3.py: the assembled GGUF
 
 from gemma3 import gemma3_gguf
 
-from hfcompress.config import ConvertOptions
+from hfcompress.conversion.config import ConvertOptions
 from hfcompress.distill import DistillOptions
 from hfcompress.errors import HfcompressError
 from hfcompress.fasc import FascOptions
 from hfcompress.lisa import LisaOptions
-from hfcompress.pipeline import convert
-from hfcompress.speed import hardware_description
+from hfcompress.conversion.pipeline import convert
+from hfcompress.evidence.speed import hardware_description
 
 HEADER = (
     "| row | layers shared | Q/K params | params (without embeddings) | distill tokens | Python reference: orig -> conv "

@@ -64,7 +64,7 @@ elif ! "$VLLM_PY" -c "import vllm" 2>/dev/null; then
   echo "skipped: $VLLM_PY has no vllm (install a CUDA vllm there, or set HFCOMPRESS_VLLM_PYTHON to a Python with one)" | tee "$OUT/vllm_eval.txt"
 else
   [ "$VLLM_PY" = "$VPY" ] || "$VLLM_PY" -m pip install -q --no-deps -e .  # the plugin's entry point in vLLM's Python
-  $VPY -c "from hfcompress.source import BUILTIN_SOURCE, load_source, resolve_source; m, t = load_source(resolve_source(BUILTIN_SOURCE)); m.float().save_pretrained('$OUT/smollm2-original'); t.save_pretrained('$OUT/smollm2-original')"
+  $VPY -c "from hfcompress.sources.source import BUILTIN_SOURCE, load_source, resolve_source; m, t = load_source(resolve_source(BUILTIN_SOURCE)); m.float().save_pretrained('$OUT/smollm2-original'); t.save_pretrained('$OUT/smollm2-original')"
   HFCOMPRESS_VLLM_PYTHON=$VLLM_PY timeout 300 $VPY -m hfcompress.cli eval "$OUT/smollm2-lisa" --engine vllm --no-probe \
     --json "$OUT/vllm_eval.json" 2>&1 | tail -20 | tee "$OUT/vllm_eval.txt"
   timeout 420 "$VLLM_PY" benchmarks/vllm_throughput.py --model original="$OUT/smollm2-original" \

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
-from hfcompress.calibrate import cache_key, load_or_compute, tensor_fingerprint
-from hfcompress.config import ConvertOptions
+from hfcompress.conversion.calibrate import cache_key, load_or_compute, tensor_fingerprint
+from hfcompress.conversion.config import ConvertOptions
 from hfcompress.keys import KeySubspace, key_module, key_statistics, plan_sizes, projected_keys
-from hfcompress.source import BUILTIN_SOURCE, load_source, resolve_source, source_identity
-from hfcompress.token_streams import token_streams
-from hfcompress.validate import perplexity
+from hfcompress.sources.source import BUILTIN_SOURCE, load_source, resolve_source, source_identity
+from hfcompress.sources.token_streams import token_streams
+from hfcompress.evidence.validate import perplexity
 
 def spearman(a: list[float], b: list[float]) -> float:
     rank = lambda xs: torch.tensor(xs).argsort().argsort().double()

@@ -16,11 +16,11 @@ from pathlib import Path
 
 from common import prepare
 
-from hfcompress.config import ConvertOptions
+from hfcompress.conversion.config import ConvertOptions
 from hfcompress.lisa import LisaOptions, select_layers
-from hfcompress.source import BUILTIN_SOURCE
-from hfcompress.speed import hardware_description, measure_speed
-from hfcompress.validate import perplexity
+from hfcompress.sources.source import BUILTIN_SOURCE
+from hfcompress.evidence.speed import hardware_description, measure_speed
+from hfcompress.evidence.validate import perplexity
 from research.inmemory import ABLATIONS, build_converted_model, fit_lisa
 
 

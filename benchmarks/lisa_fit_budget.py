@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 from common import prepare_smollm2_wiki
 
-from hfcompress.build import in_converted_classes
+from hfcompress.conversion.build import in_converted_classes
 from hfcompress.lisa import (
     LisaOptions,
     attention_output,

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from common import prepare
 
-from hfcompress.config import ConvertOptions
+from hfcompress.conversion.config import ConvertOptions
 from hfcompress.lisa import LisaOptions, select_layers
-from hfcompress.source import BUILTIN_SOURCE
+from hfcompress.sources.source import BUILTIN_SOURCE
 from research.inmemory import fit_lisa
 
 

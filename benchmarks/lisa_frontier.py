@@ -10,13 +10,13 @@ import argparse
 import time
 from pathlib import Path
 
-from hfcompress.build import parameter_counts
+from hfcompress.conversion.build import parameter_counts
 from common import prepare
-from hfcompress.config import ConvertOptions
+from hfcompress.conversion.config import ConvertOptions
 from hfcompress.distill import DistillOptions
 from hfcompress.lisa import LisaOptions, select_layers
-from hfcompress.source import BUILTIN_SOURCE
-from hfcompress.validate import perplexity
+from hfcompress.sources.source import BUILTIN_SOURCE
+from hfcompress.evidence.validate import perplexity
 from research.inmemory import build_converted_model, distill_model, fit_lisa
 
 

@@ -5,7 +5,7 @@ tokens/s, in one process, repetitions interleaved, medians (research/long_contex
         [--long-repeats 1] [--new-tokens 16] [--grid decode:1x512,decode:4x2048,...] [--threads N]
         [--markdown FILE] [--card DIR]
 
-The original loads as transformers' LlamaForCausalLM (hfcompress.source), the conversion as users load it:
+The original loads as transformers' LlamaForCausalLM (hfcompress.sources.source), the conversion as users load it:
 AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True). Both in float32 on the CPU. --card DIR stores the
 rows in DIR/hfcompress_report.json under speed["long_context"] and re-renders DIR/README.md.
 """
@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from hfcompress.card import write_card
-from hfcompress.report import REPORT_FILE
-from hfcompress.source import BUILTIN_SOURCE, load_source, resolve_source
-from hfcompress.speed import hardware_description
+from hfcompress.evidence.card import write_card
+from hfcompress.evidence.report import REPORT_FILE
+from hfcompress.sources.source import BUILTIN_SOURCE, load_source, resolve_source
+from hfcompress.evidence.speed import hardware_description
 from research.long_context import LONG_CONTEXT_GRID, cell_name, long_context_speed, long_context_table
 
 

@@ -14,10 +14,10 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from hfcompress.evaluate import load_converted
-from hfcompress.source import BUILTIN_SOURCE, load_source, resolve_source
-from hfcompress.speed import hardware_description
-from hfcompress.text import BUILTIN_TEXT_NAME, builtin_text, tokenize_split
+from hfcompress.evidence.evaluate import load_converted
+from hfcompress.sources.source import BUILTIN_SOURCE, load_source, resolve_source
+from hfcompress.evidence.speed import hardware_description
+from hfcompress.sources.text import BUILTIN_TEXT_NAME, builtin_text, tokenize_split
 
 CATEGORIES = {
     "weight matmuls": ("aten::mm", "aten::addmm"),

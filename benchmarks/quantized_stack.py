@@ -8,7 +8,7 @@ with a 4-bit KV cache (its remote code's LisaQuantizedCache), with int8 weights 
 CONVERTED_DIR is an `hfcompress convert` output of the built-in SmolLM2 (e.g. `hfcompress convert --out DIR`).
 Perplexity: numpy-docs (technical documentation, which no step of a conversion sees; `--text news`: the Lee news
 corpus, one of the offline calibration mixture's four domains), windows of 512 tokens read
-through the cache 32 tokens at a time (every chunk attends to the quantized past: hfcompress.quantize.cached_perplexity).
+through the cache 32 tokens at a time (every chunk attends to the quantized past: hfcompress.serving.quantize.cached_perplexity).
 KV bytes per token: read from the cache tensors (packed codes, scales, zeros, residual window) after a 512-token
 prefill, float32 model. Weights: the bytes of the parameters as stored. One torch thread. Writes
 benchmarks/results-quantized-stack.md (quanto, 4 bits; other settings: results-quantized-stack-BACKEND-NBITSbit.md).
@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from hfcompress.quantize import (
+from hfcompress.serving.quantize import (
     cached_perplexity, check_kv_backend, kv_bytes_per_token, lisa_quantized_cache, load_quantized, weight_bytes,
 )  # fmt: skip
-from hfcompress.source import BUILTIN_SOURCE, load_source, resolve_source
-from hfcompress.text import news_text, numpy_docs_text
+from hfcompress.sources.source import BUILTIN_SOURCE, load_source, resolve_source
+from hfcompress.sources.text import news_text, numpy_docs_text
 
 OUT = Path(__file__).with_name("results-quantized-stack.md")  # quanto 4-bit; another KV setting: -BACKEND-NBITbit.md
 CONTEXT, CHUNK = 512, 32

@@ -17,8 +17,8 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from hfcompress.cli import app
-from hfcompress.report import REPORT_FILE
-from hfcompress.validate import read_json
+from hfcompress.evidence.report import REPORT_FILE
+from hfcompress.evidence.validate import read_json
 
 
 def summary_table(report: dict, wall: float, peak_rss_mb: float) -> str:

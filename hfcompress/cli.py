@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from .config import TEXT_HELP, ConvertOptions, DeviceOptions, OutputOptions, QuantizeOptions, TextOptions
+from .conversion.config import TEXT_HELP, ConvertOptions, DeviceOptions, OutputOptions, QuantizeOptions, TextOptions
 from .distill import DistillOptions
 from .errors import (
     INTERRUPTED_EXIT, WRITE_FAILED_EXIT, HfcompressError, Terminated, left_by, redact, termination_as_interrupt,
@@ -16,8 +16,8 @@ from .fasc import FascOptions
 from .keys import KeyOptions
 from .families import FAMILIES
 from .lisa import SHOWN_SHARE_RATIO, LisaOptions
-from .options import option_spec
-from .source import BUILTIN_SOURCE
+from .conversion.options import option_spec
+from .sources.source import BUILTIN_SOURCE
 
 # the supported families, named from the one registry (families/__init__.py)
 _TITLES = [family.title for family in FAMILIES.values()]
@@ -69,7 +69,7 @@ def _run(action) -> None:
             disk = err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS, errno.EFBIG)
             _fail(console, redact(f"{err.strerror or err}{where}; {UNFINISHED}: check free space and permissions, then {RERUN}."),
                   WRITE_FAILED_EXIT if disk else 1)
-        from .preflight import gb, remove_unfinished_entries
+        from .conversion.preflight import gb, remove_unfinished_entries
 
         freed = remove_unfinished_entries()  # a smaller run has another cache key: nothing unusable stays behind
         removed = f" (the unfinished calibration cache it began, {gb(freed)}, was removed)" if freed is not None else ""
@@ -249,8 +249,8 @@ def convert(
                 data=distill_data,
             ),
         ).validate()  # every value and combination, before any network or model work
-        from .atomic import remove_leftovers
-        from .pipeline import convert as run_convert
+        from .conversion.atomic import remove_leftovers
+        from .conversion.pipeline import convert as run_convert
 
         remove_leftovers(options.out)  # what killed runs left beside --out: before the disk check counts it as used
         run_convert(options, argv=sys.argv[1:])
@@ -279,10 +279,10 @@ def analyze(
     trust_remote_code: bool = option(ConvertOptions, "trust_remote_code"),
 ) -> None:
     """Measure per-layer attention similarity (LISA) and optionally rho (FASC); cached for `convert`."""
-    from .analyze import analyze as run_analyze
+    from .evidence.analyze import analyze as run_analyze
 
     def action() -> None:
-        from .preflight import check_output_file
+        from .conversion.preflight import check_output_file
 
         for path, flag in ((plot, "--plot"), (json_out, "--json")):  # written at the end: checked before the work
             if path is not None:
@@ -326,12 +326,12 @@ def evaluate(
     """Perplexity, factual recall, speed and lm-eval tasks of a converted model (and its baseline, same tokens, same run)."""
     import json
 
-    from .evaluate import evaluate as run_evaluate
-    from .harness import LmEvalOptions
-    from .report import public_command
+    from .evidence.evaluate import evaluate as run_evaluate
+    from .evidence.harness import LmEvalOptions
+    from .evidence.report import public_command
 
     def action() -> None:
-        from .preflight import check_output_file
+        from .conversion.preflight import check_output_file
 
         if json_out is not None:  # written after the evaluation: checked before it
             check_output_file(json_out, "--json")
@@ -358,7 +358,7 @@ def push(
     force: bool = typer.Option(False, "--force", help="Push even when the directory failed the quality gate."),
 ) -> None:
     """Push an already converted directory (for example after a failed push) in one commit."""
-    from .push import push_folder, require_token, verify_output
+    from .conversion.push import push_folder, require_token, verify_output
 
     def action() -> None:
         verify_output(directory, force)  # complete, gate passed (or --force), loads: before any network call

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hfcompress.build import assemble, converted_config, in_converted_classes
-from hfcompress.calibrate import LinearStats
+from hfcompress.conversion.build import assemble, converted_config, in_converted_classes
+from hfcompress.conversion.calibrate import LinearStats
 from hfcompress.distill import DistillData, Distillation, DistillOptions
 from hfcompress.fasc import FascLayerResult, FascOptions, decompose, dependence_violation, layer_result, plan_ranks, replace_linear, trusted_layers
 from hfcompress.lisa import (

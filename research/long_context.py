@@ -1,6 +1,6 @@
 """Long-context speed of an original model against its conversion (benchmarks/long_context.py): per cell of a grid,
 prefill or decode tokens/s and the KV cache after the prompt, in one process, repetitions interleaved, medians.
-Research code, not in the wheel; the conversion's own speed step is hfcompress/speed.py."""
+Research code, not in the wheel; the conversion's own speed step is hfcompress/evidence/speed.py."""
 
 import statistics
 import time
@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from hfcompress.speed import _cache_megabytes, _prefill_seconds, _sync
+from hfcompress.evidence.speed import _cache_megabytes, _prefill_seconds, _sync
 
 # (phase, batch, context): decode = tokens/s of cached greedy steps after a `context`-token prompt (and the KV cache
 # that prompt leaves), prefill = tokens/s of the prompt itself

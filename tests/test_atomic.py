@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hfcompress.atomic import atomic_file, private_sibling, save_atomic
+from hfcompress.conversion.atomic import atomic_file, private_sibling, save_atomic
 
 WRITER = """
 import sys
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from hfcompress.atomic import save_atomic
+from hfcompress.conversion.atomic import save_atomic
 
 path, value = Path(sys.argv[1]), torch.full((64, 1024), float(sys.argv[2]))
 (path.parent / f"ready-{sys.argv[2]}").touch()  # both start writing once both have imported torch

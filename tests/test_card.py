@@ -14,7 +14,7 @@ from huggingface_hub import ModelCard
 from huggingface_hub.repocard_data import model_index_to_eval_results
 from typer.testing import CliRunner
 
-from hfcompress.card import (
+from hfcompress.evidence.card import (
     BASE_MODEL_RELATION,
     LM_EVAL_NAME,
     LM_EVAL_URL,
@@ -332,7 +332,7 @@ def test_hub_dataset_ids():
 def test_hub_dataset_text_records_its_split(monkeypatch):
     import datasets
 
-    from hfcompress import text
+    from hfcompress.sources import text
 
     class Rows:
         column_names = ("text",)
@@ -442,7 +442,7 @@ def test_untrusted_speed_states_no_ratio(report):
 
 def test_every_distillation_step_of_a_short_run_is_on_the_loss_curve(models, tmp_path):
     """A short run (8 steps here, 32 by default) has a KL point per step on its curve and plot, not one averaged point."""
-    from hfcompress.plots import learning_curve
+    from hfcompress.evidence.plots import learning_curve
 
     teacher, student, train_ids, eval_ids = models
     _, record = run_stage(student, teacher, train_ids, eval_ids, tmp_path)

@@ -8,12 +8,12 @@ from tests.helpers import one_error
 
 
 def test_kv_cache_dtype_needs_the_vllm_engine(tmp_path, monkeypatch):
-    import hfcompress.evaluate
+    import hfcompress.evidence.evaluate
 
     def never(*args, **kwargs):
         raise AssertionError("a model was loaded before the options were checked")
 
-    monkeypatch.setattr(hfcompress.evaluate, "load_converted", never)
+    monkeypatch.setattr(hfcompress.evidence.evaluate, "load_converted", never)
     result = CliRunner().invoke(app, ["eval", str(tmp_path), "--kv-cache-dtype", "fp8", "--no-speed", "--no-probe"])
     one_error(result, 2, "--kv-cache-dtype fp8 sets vLLM's KV cache: use it with --engine vllm.")
 
@@ -27,7 +27,7 @@ def test_kv_cache_dtype_reaches_the_engine(tmp_path, monkeypatch):
 
     import torch
 
-    from hfcompress.vllm_engine import vllm_perplexities
+    from hfcompress.serving.vllm_engine import vllm_perplexities
 
     fake = tmp_path / "python"
     fake.write_text(

@@ -8,7 +8,7 @@ import torch
 from typer.testing import CliRunner
 
 from hfcompress.cli import app
-from hfcompress.config import ConvertOptions, parse_size, resolve_device
+from hfcompress.conversion.config import ConvertOptions, parse_size, resolve_device
 
 runner = CliRunner()
 
@@ -60,7 +60,7 @@ BAD = [
 def test_bad_options_are_refused_before_any_work(flags, needle, tmp_path, monkeypatch):
     import huggingface_hub.constants as constants
 
-    import hfcompress.pipeline as pipeline
+    import hfcompress.conversion.pipeline as pipeline
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
@@ -117,9 +117,9 @@ def test_convert_and_analyze_take_defaults_and_help_from_the_option_groups():
     """One home per option: a command-line option's default and help are its group's field's, in both commands."""
     import typer.main
 
-    from hfcompress.config import DeviceOptions, DistillOptions, FascOptions, LisaOptions, TextOptions
+    from hfcompress.conversion.config import DeviceOptions, DistillOptions, FascOptions, LisaOptions, TextOptions
     from hfcompress.lisa import SHOWN_SHARE_RATIO
-    from hfcompress.options import option_spec
+    from hfcompress.conversion.options import option_spec
 
     commands = typer.main.get_command(app).commands
     convert = {p.name: p for p in commands["convert"].params}

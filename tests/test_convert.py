@@ -11,7 +11,7 @@ from huggingface_hub import ModelCard
 from typer.testing import CliRunner
 
 from hfcompress.cli import app
-from hfcompress.text import numpy_docs_name
+from hfcompress.sources.text import numpy_docs_name
 from tests.conftest import HUB_USER
 
 FAST = [
@@ -161,8 +161,8 @@ def test_bad_fasc_method(tiny_llama_dir, tmp_path):
 
 
 def test_interrupted_write_leaves_nothing(tmp_path):
-    from hfcompress.atomic import atomic_directory
-    from hfcompress.output import user_entries
+    from hfcompress.conversion.atomic import atomic_directory
+    from hfcompress.conversion.output import user_entries
 
     def crash(directory: Path) -> None:
         (directory / "model.safetensors").write_bytes(b"half")
@@ -237,8 +237,8 @@ def test_eval_refuses_foreign_code_without_flag(tmp_path):
 def test_output_dir_has_ordinary_permissions(tmp_path):
     import os
 
-    from hfcompress.atomic import atomic_directory
-    from hfcompress.output import user_entries
+    from hfcompress.conversion.atomic import atomic_directory
+    from hfcompress.conversion.output import user_entries
 
     out = atomic_directory(tmp_path / "o", lambda d: (d / "x").write_text("1"), user_entries)
     umask = os.umask(0)
@@ -335,7 +335,7 @@ def test_cast_parameters_leaves_rope_buffers_alone(tiny_llama_dir):
     float32 at load, so a rounded copy would no longer compute what the saved model computes."""
     from transformers import LlamaForCausalLM
 
-    from hfcompress.build import cast_parameters
+    from hfcompress.conversion.build import cast_parameters
 
     model = LlamaForCausalLM.from_pretrained(tiny_llama_dir)
     inv_freq = model.model.rotary_emb.inv_freq.clone()

@@ -8,7 +8,7 @@ from torch import nn
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from hfcompress.distill import train as distill_module
-from hfcompress.calibrate import collect_attention_inputs
+from hfcompress.conversion.calibrate import collect_attention_inputs
 from hfcompress.distill import (
     Distillation,
     DistillData,
@@ -17,15 +17,15 @@ from hfcompress.distill import (
 )
 from hfcompress.errors import HfcompressError
 from hfcompress.lisa import LisaOptions
-from hfcompress.gate import quality_gate
-from hfcompress.text import (
+from hfcompress.evidence.gate import quality_gate
+from hfcompress.sources.text import (
     NEWS_TEXT_NAME,
     builtin_text,
     news_file,
     other_domain_ids,
     tokenize,
 )
-from hfcompress.validate import PerplexityResult
+from hfcompress.evidence.validate import PerplexityResult
 from research.inmemory import build_converted_model, fit_lisa, measure_similarity
 
 OPTIONS = DistillOptions(tokens=8 * 2 * 32, seq_len=32, batch_size=2, lr=5e-3, curve_tokens=128)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_families import CASES, assert_same_generation, greedy, ids_and_mask, tiny_model
 
-from hfcompress.build import converted_config
+from hfcompress.conversion.build import converted_config
 from hfcompress.families import family_of
 
 

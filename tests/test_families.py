@@ -45,14 +45,14 @@ from transformers import (
 )
 from typer.testing import CliRunner
 
-from hfcompress.build import assemble, converted_config, in_converted_classes
-from hfcompress.checkpoint import Checkpoint
+from hfcompress.conversion.build import assemble, converted_config, in_converted_classes
+from hfcompress.conversion.checkpoint import Checkpoint
 from hfcompress.cli import app
 from hfcompress.families import FAMILIES, family_of
 from hfcompress.lisa import causal_mask, full_attention_scores, rotary
 from hfcompress.remote import import_remote, kernels_dir, remote_code_files, uses_kernels
-from hfcompress.source import load_source, resolve_source
-from hfcompress.stream import LayerStream
+from hfcompress.sources.source import load_source, resolve_source
+from hfcompress.conversion.stream import LayerStream
 
 TINY = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,

@@ -2,7 +2,7 @@
 
 import torch
 
-from hfcompress.calibrate import collect_linear_stats
+from hfcompress.conversion.calibrate import collect_linear_stats
 from hfcompress.fasc import FascOptions, allocate_ranks, decompose, dependence_violation
 from research.inmemory import compress_linears
 

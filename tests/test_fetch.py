@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from hfcompress.cli import app
 from hfcompress.errors import HfcompressError
-from hfcompress.source import (
+from hfcompress.sources.source import (
     BUILTIN_GGUF,
     HUB_ALLOW_PATTERNS,
     _builtin_gguf,
@@ -66,7 +66,7 @@ def assert_refused(result, *needles: str) -> None:
 def test_mirror_without_unrevisioned_model_info(hub_inprocess, hub_api, tiny_llama_dir, monkeypatch):
     from huggingface_hub.errors import HfHubHTTPError
 
-    from hfcompress.source import load_source
+    from hfcompress.sources.source import load_source
 
     sha = upload(hub_api, tiny_llama_dir)
     hub_inprocess.unrevisioned_info = False
@@ -230,7 +230,7 @@ def no_gguf_parsing(monkeypatch):
     import transformers
     import transformers.modeling_gguf_pytorch_utils as tf_gguf
 
-    from hfcompress import checkpoint
+    from hfcompress.conversion import checkpoint
 
     def forbidden(*args, **kwargs):
         raise AssertionError("a refused GGUF must not be parsed, converted nor dequantised")
@@ -306,7 +306,7 @@ def test_llama_gguf_still_resolves():
 DEQUANTISE = """
 import sys
 from pathlib import Path
-from hfcompress.checkpoint import dequantise_gguf
+from hfcompress.conversion.checkpoint import dequantise_gguf
 dequantise_gguf(Path(sys.argv[1]), Path(sys.argv[2]))
 """
 
@@ -321,7 +321,7 @@ def test_two_conversions_dequantise_one_gguf_at_once(tmp_path):
 
     from transformers import LlamaConfig
 
-    from hfcompress.checkpoint import Checkpoint, check_checkpoint
+    from hfcompress.conversion.checkpoint import Checkpoint, check_checkpoint
 
     directory = tmp_path / "gguf-cache"
     env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}

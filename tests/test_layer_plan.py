@@ -13,13 +13,13 @@ from test_modeling import tiny_config
 from transformers import LlamaForCausalLM
 from typer.testing import CliRunner
 
-from hfcompress.build import converted_config
+from hfcompress.conversion.build import converted_config
 from hfcompress.cli import app
 from hfcompress.families import family_of
 from hfcompress.keys import projected_keys
-from hfcompress.layer_plan import Action, kv_values, largest_within, plan_sequence, ranked_actions, take
+from hfcompress.conversion.layer_plan import Action, kv_values, largest_within, plan_sequence, ranked_actions, take
 from hfcompress.lisa import LayerSimilarity
-from hfcompress.peers import (
+from hfcompress.evidence.peers import (
     QuantizedKV,
     attention_free,
     block_influence,
@@ -33,8 +33,8 @@ from hfcompress.peers import (
     speed_peers,
     without_layers,
 )
-from hfcompress.speed import measure_speed
-from hfcompress.validate import perplexity
+from hfcompress.evidence.speed import measure_speed
+from hfcompress.evidence.validate import perplexity
 
 VALUES = {"keep": 384, "share": 252, "drop": 0}
 
@@ -279,7 +279,7 @@ def test_drop_and_share_options_are_checked_before_any_work(tiny_llama_dir, tmp_
 
 
 def test_a_plan_that_only_drops_creates_nothing_to_distil(tmp_path):
-    from hfcompress.config import ConvertOptions
+    from hfcompress.conversion.config import ConvertOptions
     from hfcompress.lisa import LisaOptions
 
     from hfcompress.keys import KeyOptions

@@ -66,7 +66,7 @@ def tiny_converted_llama(num_layers: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hfcompress.lisa import rotary
-    from hfcompress.build import in_converted_classes
+    from hfcompress.conversion.build import in_converted_classes
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,

@@ -175,12 +175,12 @@ def test_hfcompress_eval_lm_eval_writes_both_models_into_the_card(converted, tas
     ],
 )
 def test_bad_lm_eval_options_fail_before_any_model_loads(args, needle, tmp_path, monkeypatch):
-    import hfcompress.evaluate
+    import hfcompress.evidence.evaluate
 
     def never(*args, **kwargs):
         raise AssertionError("a model was loaded before the options were checked")
 
-    monkeypatch.setattr(hfcompress.evaluate, "load_converted", never)
+    monkeypatch.setattr(hfcompress.evidence.evaluate, "load_converted", never)
     result = runner.invoke(app, ["eval", str(tmp_path), *args])
     assert result.exit_code == 2, result.output
     assert needle in " ".join(result.output.split())

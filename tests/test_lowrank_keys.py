@@ -15,7 +15,7 @@ from test_families import (  # noqa: F401 (checkpoints: the fixture)
     CASES, LENGTH, assert_same_generation, checkpoints, chunked_logits, greedy, ids_and_mask, tiny_model,
 )
 
-from hfcompress.build import converted_config
+from hfcompress.conversion.build import converted_config
 from hfcompress.families import family_of
 from hfcompress.keys import projected_keys
 
@@ -236,10 +236,10 @@ def test_back_off_raises_the_kv_budget_by_the_overshoot():
     off to 0.7867 (docs/results.md)."""
     from pathlib import Path
 
-    from hfcompress.config import ConvertOptions
+    from hfcompress.conversion.config import ConvertOptions
     from hfcompress.keys import KeyOptions
-    from hfcompress.pipeline import fewer_changes
-    from hfcompress.registry import build_methods
+    from hfcompress.conversion.pipeline import fewer_changes
+    from hfcompress.conversion.registry import build_methods
 
     options = ConvertOptions(source="x", out=Path("o"), keys=KeyOptions(kv_budget=0.6))
     methods, _ = build_methods(options)

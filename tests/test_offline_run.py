@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from hfcompress.text import LOCAL_SOURCE_REASON, _probe_dataset
+from hfcompress.sources.text import LOCAL_SOURCE_REASON, _probe_dataset
 from tests.hub_server import subprocess_env
 from tests.test_convert import FAST
 

@@ -14,15 +14,15 @@ import torch
 from safetensors import safe_open
 from tiny_models import save_tiny_llama
 
-import hfcompress.pipeline as pipeline
-from hfcompress.checkpoint import Checkpoint
-from hfcompress.config import ConvertOptions, DistillOptions
+import hfcompress.conversion.pipeline as pipeline
+from hfcompress.conversion.checkpoint import Checkpoint
+from hfcompress.conversion.config import ConvertOptions, DistillOptions
 from hfcompress.errors import HfcompressError
 from hfcompress.fasc import FascOptions
 from hfcompress.lisa import LisaOptions
 from hfcompress.keys import KeyOptions
-from hfcompress.stream import LayerStream
-from hfcompress.token_streams import SELECTION_TOKENS
+from hfcompress.conversion.stream import LayerStream
+from hfcompress.sources.token_streams import SELECTION_TOKENS
 
 # one small text (the 465 kB built-in one) and no other-domain text: tokenising the 4.3 MB offline mixture cost each
 # conversion more than the tiny model's work (test_text_sources.py tests the texts)
@@ -75,12 +75,12 @@ def in_memory_reference(tiny: Path, report: dict) -> dict:
     """The conversion the old in-memory pipeline computed, from the research area's in-memory driver
     (research/inmemory.py, which the benchmarks use: this keeps it equal to the product): the same layers (chosen from
     its own similarity), the same FASC ranks and the same perplexities."""
-    from hfcompress.calibrate import collect_attention_inputs, collect_linear_stats
+    from hfcompress.conversion.calibrate import collect_attention_inputs, collect_linear_stats
     from hfcompress.lisa import select_layers
     from research.inmemory import build_converted_model, compress_linears, fit_lisa, measure_similarity
-    from hfcompress.source import load_source, resolve_source
-    from hfcompress.text import chunk, text_streams
-    from hfcompress.validate import perplexity
+    from hfcompress.sources.source import load_source, resolve_source
+    from hfcompress.sources.text import chunk, text_streams
+    from hfcompress.evidence.validate import perplexity
 
     model, tokenizer = load_source(resolve_source(str(tiny)))
     calib_ids, _, eval_ids, _ = text_streams(tokenizer, TEXTS["calib_text"], TEXTS["eval_text"], 8 * 64 + SELECTION_TOKENS)
@@ -199,7 +199,7 @@ def test_perplexity_budget_search_streams_candidates_and_reuses_fits(tiny, tmp_p
 def test_whole_model_steps_skip_by_default_and_refuse_when_asked(tiny, tmp_path, monkeypatch):
     """A model that does not fit in memory: default probe/speed/peers are skipped with a note; asked for explicitly, they
     are refused with one sentence before any calibration."""
-    from hfcompress import wholemodel
+    from hfcompress.conversion import wholemodel
 
     monkeypatch.setattr(wholemodel, "available_memory", lambda device: 1000)  # bytes: nothing fits
     calibrated = []
@@ -219,8 +219,8 @@ def test_whole_model_steps_skip_by_default_and_refuse_when_asked(tiny, tmp_path,
 
 def test_methods_are_registered_units():
     """The driver sees methods only through the registry; LISA and FASC own their names and report sections."""
-    from hfcompress.methods import FINISHERS, METHODS
-    from hfcompress.registry import build_methods
+    from hfcompress.conversion.methods import FINISHERS, METHODS
+    from hfcompress.conversion.registry import build_methods
 
     methods, finishers = build_methods(ConvertOptions(source="x", out=Path("y"), fasc=FascOptions(budget=0.5)))
     assert [m.name for m in methods] == ["lisa", "keys", "fasc"] and set(METHODS) == {"lisa", "keys", "fasc"}
@@ -233,7 +233,9 @@ def test_methods_are_registered_units():
     assert [m.name for m in methods if m.active()] == ["lisa", "keys"]  # LISA shares none by default; FASC is off
     import inspect
 
-    from hfcompress import gate, output, passes, run, token_streams
+    from hfcompress.evidence import gate
+    from hfcompress.conversion import output, passes, run
+    from hfcompress.sources import token_streams
 
     for module in (pipeline, passes, run, output, token_streams, gate):  # the driver and its steps
         source = inspect.getsource(module)

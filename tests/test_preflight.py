@@ -147,7 +147,7 @@ def test_sequence_lengths_beyond_the_context_are_refused_before_the_work(tiny_ll
 HOLD_LOCK = """
 import sys, time
 from pathlib import Path
-from hfcompress.preflight import output_lock
+from hfcompress.conversion.preflight import output_lock
 with output_lock(Path(sys.argv[1])):
     print("locked", flush=True)
     time.sleep(120)
@@ -155,7 +155,7 @@ with output_lock(Path(sys.argv[1])):
 
 
 def test_a_live_run_holds_out_and_a_killed_one_does_not(tiny_llama_dir, tmp_path, monkeypatch):
-    from hfcompress.preflight import output_lock
+    from hfcompress.conversion.preflight import output_lock
 
     monkeypatch.setenv("HFCOMPRESS_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "o"

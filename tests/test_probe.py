@@ -1,4 +1,4 @@
-"""Tests for the factual-recall probe (``hfcompress.probe``)."""
+"""Tests for the factual-recall probe (``hfcompress.evidence.probe``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from hfcompress.probe import FACTS, ProbeResult, run_probe
+from hfcompress.evidence.probe import FACTS, ProbeResult, run_probe
 from tiny_models import TINY_LLAMA_DEFAULTS, build_tiny_tokenizer
 
 SUBSET = FACTS[:24]

@@ -9,7 +9,7 @@ import torch
 from typer.testing import CliRunner
 
 from hfcompress.cli import app
-from hfcompress.quantize import TORCHAO_PIN, quantize_written, reloaded_logits
+from hfcompress.serving.quantize import TORCHAO_PIN, quantize_written, reloaded_logits
 from test_quantized_cache import save_remote, tiny_pair
 
 FASC = {"1.mlp.down_proj": 48, "1.self_attn.o_proj": 40, "3.mlp.up_proj": 32}

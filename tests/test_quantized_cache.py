@@ -15,7 +15,7 @@ from transformers import DynamicCache, LlamaForCausalLM, QuantizedCache
 from transformers.cache_utils import DummyLayer, HQQQuantizedLayer, QuantoQuantizedLayer
 
 from hfcompress.families import FAMILIES
-from hfcompress.quantize import check_kv_backend, kv_cache_bytes
+from hfcompress.serving.quantize import check_kv_backend, kv_cache_bytes
 from hfcompress.errors import HfcompressError
 from hfcompress.remote import import_remote, remote_code_files
 from test_modeling import lisa_copy, tiny_config
@@ -202,9 +202,9 @@ def test_smollm2_conversion_stacks_int8_weights_and_a_4_bit_kv_cache(tmp_path):
     perplexity within 5%, and fewer KV bytes per token than the original with the same 4-bit cache."""
     from transformers import AutoModelForCausalLM
 
-    from hfcompress.quantize import cached_logits, kv_bytes_per_token, lisa_quantized_cache, window_perplexity
-    from hfcompress.source import BUILTIN_SOURCE, load_source, resolve_source
-    from hfcompress.text import news_text
+    from hfcompress.serving.quantize import cached_logits, kv_bytes_per_token, lisa_quantized_cache, window_perplexity
+    from hfcompress.sources.source import BUILTIN_SOURCE, load_source, resolve_source
+    from hfcompress.sources.text import news_text
 
     out = tmp_path / "smollm2-lisa"
     proc = subprocess.run(

@@ -92,7 +92,7 @@ def test_gated_repo(hub_inprocess, hub_api, tiny_llama_dir, tmp_path, monkeypatc
 def test_no_network_and_offline_mode(hub_inprocess, hub_api, tiny_llama_dir, tmp_path, monkeypatch):
     import huggingface_hub.constants as c
 
-    from hfcompress.source import resolve_source
+    from hfcompress.sources.source import resolve_source
 
     repo = f"{HUB_USER}/tiny"
     upload(hub_api, tiny_llama_dir, repo)
@@ -228,7 +228,7 @@ def add_custom_code(directory: Path, marker: Path) -> None:
 
 
 def test_local_source_code_never_runs(tiny_llama_dir, tmp_path):
-    from hfcompress.source import load_source, resolve_source
+    from hfcompress.sources.source import load_source, resolve_source
 
     marker = tmp_path / "MARKER"
     add_custom_code(tiny_llama_dir, marker)
@@ -355,7 +355,7 @@ def test_out_of_memory_during_calibration_leaves_no_unfinished_cache(tiny_llama_
     cache = tmp_path / "cache"
     monkeypatch.setenv("HFCOMPRESS_CACHE", str(cache))
     out = tmp_path / "o"
-    from hfcompress.stream import LayerStream
+    from hfcompress.conversion.stream import LayerStream
 
     with monkeypatch.context() as m:
         fail_at(m, "calibrate: backward", MemoryError())  # the forward pass finished
@@ -391,7 +391,7 @@ def test_other_runtime_errors_keep_their_traceback(warm, tmp_path, monkeypatch):
 
 
 def test_disk_full_keeps_earlier_output(warm, tmp_path, monkeypatch):
-    import hfcompress.output as convert_module
+    import hfcompress.conversion.output as convert_module
 
     tiny, cache = warm
     monkeypatch.setenv("HFCOMPRESS_CACHE", str(cache))
@@ -430,7 +430,7 @@ def test_disk_full_while_downloading(hub_inprocess, hub_api, tiny_llama_dir, tmp
 
 
 def test_cache_save_on_full_disk_is_skipped(tmp_path, monkeypatch):
-    import hfcompress.calibrate as calibrate
+    import hfcompress.conversion.calibrate as calibrate
 
     def no_space(obj, path):
         Path(path).write_bytes(b"half")
@@ -502,7 +502,7 @@ def test_overwrite_keeps_the_users_files_and_replaces_the_earlier_run(warm, tmp_
 
 def test_overwrite_of_an_earlier_output_without_a_file_list(tmp_path):
     """A report from before the list of files: the names hfcompress writes are the earlier run's, the rest the user's."""
-    from hfcompress.output import user_entries
+    from hfcompress.conversion.output import user_entries
 
     earlier = tmp_path / "o"
     (earlier / "plots").mkdir(parents=True)
@@ -526,7 +526,7 @@ def test_overwrite_still_refuses_a_directory_that_is_no_output(tiny_llama_dir, t
 
 
 def test_public_paths():
-    from hfcompress.report import public_command, without_local_paths
+    from hfcompress.evidence.report import public_command, without_local_paths
 
     assert public_command(["convert", "/home/alice/models/tiny", "--out=/tmp/x/o", "--calib-text", "~/c.txt", "me/model",
                            "--out", "rel/o"]) == "hfcompress convert tiny --out=o --calib-text c.txt me/model --out rel/o"  # fmt: skip
@@ -704,7 +704,7 @@ def test_killed_run_leftovers_are_removed_by_the_next_run(warm, tmp_path, monkey
 
 
 def test_an_output_moved_aside_by_a_killed_run_is_put_back(tmp_path):
-    from hfcompress.atomic import remove_leftovers
+    from hfcompress.conversion.atomic import remove_leftovers
 
     dead = subprocess.Popen(["true"])
     dead.wait()  # its pid is no process's now
@@ -912,9 +912,10 @@ def test_code_fingerprint_covers_what_a_conversion_caches_and_nothing_else():
     """The cache key's code hash reads every module that computes what a conversion caches (statistics, fits, trained
     weights), and not the serving plugin, the card or the eval command: editing those keeps hours of calibration."""
     import hfcompress
-    from hfcompress.calibrate import fingerprinted_sources
+    from hfcompress.conversion.calibrate import fingerprinted_sources
 
     package = Path(hfcompress.__file__).resolve().parent
     names = {str(p.relative_to(package)) for p in fingerprinted_sources(package)}
-    assert {"passes.py", "calibrate.py", "lisa/fit.py", "fasc/__init__.py", "distill/__init__.py", "validate.py", "cli.py"} <= names
-    assert not {"card.py", "evaluate.py", "vllm_engine.py"} & names
+    assert {"conversion/passes.py", "conversion/calibrate.py", "lisa/fit.py", "fasc/__init__.py", "distill/__init__.py",
+            "evidence/validate.py", "cli.py"} <= names
+    assert not {"evidence/card.py", "evidence/evaluate.py", "serving/vllm_engine.py"} & names

@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from hfcompress.build import in_converted_classes
-from hfcompress.source import BUILTIN_SOURCE, load_source, resolve_source
+from hfcompress.conversion.build import in_converted_classes
+from hfcompress.sources.source import BUILTIN_SOURCE, load_source, resolve_source
 
 pytestmark = pytest.mark.slow
 

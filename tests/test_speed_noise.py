@@ -17,10 +17,10 @@ import pytest
 import torch
 from torch import nn
 
-from hfcompress import speed
-from hfcompress.card import peers_view
+from hfcompress.evidence import speed
+from hfcompress.evidence.card import peers_view
 from hfcompress.errors import HfcompressError
-from hfcompress.speed import (
+from hfcompress.evidence.speed import (
     MAX_LOAD_PER_CORE,
     MAX_RATIO_SPREAD,
     MIN_CPU_SHARE,

@@ -24,11 +24,11 @@ import torch
 from rich.console import Console
 from typer.testing import CliRunner
 
-import hfcompress.text as text_module
+import hfcompress.sources.text as text_module
 from hfcompress.cli import app
-from hfcompress.config import ConvertOptions
+from hfcompress.conversion.config import ConvertOptions
 from hfcompress.errors import HfcompressError
-from hfcompress.text import (
+from hfcompress.sources.text import (
     BUILTIN_TEXT_NAME,
     C4_FILE,
     C4_REPO,
@@ -162,7 +162,7 @@ def cli(args: list[str], env: dict) -> subprocess.CompletedProcess:
 LOAD_BOTH = """
 import json
 import math
-from hfcompress.text import load_text
+from hfcompress.sources.text import load_text
 print(json.dumps({role: [t.name, t.text, t.held_out] for role in ("calibration", "evaluation") for t in [load_text(
     "wikitext-2", role)]}))
 """
@@ -184,7 +184,7 @@ def test_wikitext2_loads_through_datasets(wikitext_hub, hub_env, mirror):
 LOAD_NAMED = """
 import json
 import math
-from hfcompress.text import load_text
+from hfcompress.sources.text import load_text
 print(json.dumps({role: load_text("hf:Salesforce/wikitext:wikitext-2-raw-v1", role).name for role in ("calibration", "evaluation")}))
 """
 
@@ -208,7 +208,7 @@ def test_any_hub_dataset_by_name(wikitext_hub, hub_env):
 # C4's skipped head to 200 documents, so the tiny tokenizer gets through six domains in seconds.
 SMALL_ONLINE_MIXTURE = """
 import dataclasses
-import hfcompress.text as text
+import hfcompress.sources.text as text
 full = text.mixture_domains()
 text.mixture_domains = lambda: [text.Text(d.name, d.text[-40_000:], True) for d in full]
 text.HUB_DOMAIN_CHARS = 40_000
@@ -236,7 +236,7 @@ print(json.dumps({
 def _assert_split_per_domain(tokenizer, text, split) -> None:
     """Each domain's calibration blocks are its own first 75%, shuffled; its held-out last 25% is evaluated and in no
     calibration step."""
-    from hfcompress.text import MIX_BLOCK_TOKENS, tokenize_split
+    from hfcompress.sources.text import MIX_BLOCK_TOKENS, tokenize_split
 
     blocks = lambda ids: [tuple(b.tolist()) for b in ids.split(MIX_BLOCK_TOKENS)]  # noqa: E731
     for index, domain in enumerate(text.parts):
@@ -258,7 +258,7 @@ def test_auto_online_is_the_mixture_of_six_domains(c4_hub, hub_env, tiny_llama_d
     the calibration datasets are listed for the card."""
     from transformers import AutoTokenizer
 
-    from hfcompress.text import MIX_BLOCK_TOKENS, HubDataset, Text, mixture_split
+    from hfcompress.sources.text import MIX_BLOCK_TOKENS, HubDataset, Text, mixture_split
 
     hub, wikitext_sha, c4_sha, documents = c4_hub
     proc = subprocess.run([sys.executable, "-c", LOAD_ONLINE, str(tiny_llama_dir)], env=hub_env, capture_output=True, text=True)
@@ -571,9 +571,9 @@ def test_windows_start_with_bos_where_the_tokenizer_starts_texts_with_it(tiny_ll
     starts with BOS, and every text token is scored exactly once (the first of each window too, predicted from BOS)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from hfcompress.token_streams import windows
-    from hfcompress.text import window_prefix
-    from hfcompress.validate import perplexity
+    from hfcompress.sources.token_streams import windows
+    from hfcompress.sources.text import window_prefix
+    from hfcompress.evidence.validate import perplexity
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)  # its post-processor writes <s> first
     assert window_prefix(tokenizer) == [tokenizer.bos_token_id] == [1]
@@ -603,7 +603,7 @@ def test_wiki_is_prose_of_the_whole_excerpt_held_out_by_role(tiny_llama_dir):
     evaluation read disjoint parts, and it can be the other-domain text of a builtin calibration."""
     from transformers import AutoTokenizer
 
-    from hfcompress.text import part_name
+    from hfcompress.sources.text import part_name
 
     text = load_text("wiki", "calibration")
     assert text.name == WIKI_TEXT_NAME and text.held_out
@@ -628,7 +628,7 @@ def test_interleave_gives_equal_shares_seeded_and_keeps_every_token():
     """Every prefix of an interleaved stream holds its streams in equal shares (to one block) until the shortest is
     spent; the seed fixes the order (same seed: same ids, another seed: another order of the same blocks); without a
     generator blocks keep their order, round by round in the streams' order."""
-    from hfcompress.text import interleave
+    from hfcompress.sources.text import interleave
 
     streams = [torch.arange(0, 5000), torch.arange(10_000, 11_200), torch.arange(20_000, 22_000)]  # 3 "domains"
     owner = lambda ids: ids // 10_000  # noqa: E731  which stream an id came from
@@ -667,7 +667,7 @@ def test_mixture_splits_each_domain_and_calibrates_on_all_in_equal_shares(tiny_l
     every domain's last 25%, the same for any seed, and shares no block with calibration."""
     from transformers import AutoTokenizer
 
-    from hfcompress.text import MIX_BLOCK_TOKENS, mixture_split, text_streams
+    from hfcompress.sources.text import MIX_BLOCK_TOKENS, mixture_split, text_streams
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     names = [short_name(d.name) for d in small_mixture]
@@ -702,8 +702,8 @@ def test_the_gate_always_has_a_domain_no_step_saw(tiny_llama_dir, small_mixture,
     part and the third domain."""
     from transformers import AutoTokenizer
 
-    from hfcompress.token_streams import token_streams
-    from hfcompress.text import NUMPY_DOCS, numpy_docs_name
+    from hfcompress.sources.token_streams import token_streams
+    from hfcompress.sources.text import NUMPY_DOCS, numpy_docs_name
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     mixture = load_text("mix", "calibration")

@@ -158,7 +158,7 @@ def test_every_option_of_convert_has_its_upfront_check_listed():
     """preflight.CHECKED_OPTIONS names where each option of `convert` is checked: a new option must be added there."""
     import typer.main
 
-    from hfcompress.preflight import CHECKED_OPTIONS
+    from hfcompress.conversion.preflight import CHECKED_OPTIONS
 
     command = typer.main.get_command(app).commands["convert"]
     flags = {next((o for o in p.opts if o.startswith("--")), p.name) for p in command.params}
@@ -278,10 +278,10 @@ def test_eval_windows_that_make_no_sense_are_refused_before_any_model_loads(tiny
 def test_a_calibration_text_shorter_than_a_distillation_window_is_refused():
     """pipeline.check_resources runs it on the tokenised texts, before calibration (a text file is refused below a
     few thousand words anyway, so the case is a long-context model with a long --distill-seq-len)."""
-    from hfcompress.config import ConvertOptions
+    from hfcompress.conversion.config import ConvertOptions
     from hfcompress.distill import DistillOptions
     from hfcompress.errors import HfcompressError
-    from hfcompress.preflight import check_distill_text
+    from hfcompress.conversion.preflight import check_distill_text
 
     options = ConvertOptions(source="x", out=Path("o"), distill=DistillOptions(tokens=4096, seq_len=8192))
     with pytest.raises(HfcompressError, match="has 5000 tokens, fewer than one distillation window of 8191: lower --distill-seq-len"):

@@ -55,7 +55,7 @@ def test_truncated_gguf_says_download_it_again(tmp_path, monkeypatch):
               f"{cut} is truncated (40,000,000 of the {whole.stat().st_size:,} bytes", "download it again")
     assert time.perf_counter() - start < 30 and not (tmp_path / "cache").exists()
 
-    from hfcompress.source import check_gguf_complete
+    from hfcompress.sources.source import check_gguf_complete
 
     check_gguf_complete(whole)  # the whole file passes
 
@@ -139,7 +139,7 @@ def _coloured_fraction(png: Path, rgb: tuple[int, int, int], columns: slice) -> 
 
 
 def test_plots_show_every_gated_text_and_a_single_kl_point(tmp_path):
-    from hfcompress.plots import write_plots
+    from hfcompress.evidence.plots import write_plots
 
     def row(name, original, converted):
         return {"eval_text": name, "original": {"perplexity": original}, "converted": {"perplexity": converted},

@@ -1,4 +1,4 @@
-"""`hfcompress eval --engine vllm`, the side that runs in this environment (hfcompress/vllm_engine.py): the windows it
+"""`hfcompress eval --engine vllm`, the side that runs in this environment (hfcompress/serving/vllm_engine.py): the windows it
 sends to vLLM, whose prompt NLLs summed as it sums them give `validate.perplexity`'s figure; how it finds vLLM's
 environment (HFCOMPRESS_VLLM_PYTHON, or this interpreter where vllm and the plugin are installed; never a path inside
 a checkout); and its refusals before any model work, each one sentence naming what to install: no vLLM environment, an
@@ -23,8 +23,8 @@ from typer.testing import CliRunner
 from hfcompress import __version__
 from hfcompress.cli import app
 from hfcompress.errors import HfcompressError
-from hfcompress.validate import perplexity
-from hfcompress.vllm_engine import check_vllm_environment, scored_windows, vllm_python
+from hfcompress.evidence.validate import perplexity
+from hfcompress.serving.vllm_engine import check_vllm_environment, scored_windows, vllm_python
 from tests.helpers import one_error
 
 PLUGIN_SRC = Path(__file__).resolve().parents[1] / "vllm-plugin" / "src"
@@ -137,12 +137,12 @@ def test_eval_refuses_a_vllm_environment_that_cannot_serve_the_model_before_any_
     tmp_path, monkeypatch, vllm, plugin, converter, needles
 ):
     """One sentence naming what to install, exit 2, and no model loaded (the CLI, end to end)."""
-    import hfcompress.evaluate
+    import hfcompress.evidence.evaluate
 
     def never(*args, **kwargs):
         raise AssertionError("a model was loaded before the vLLM environment was checked")
 
-    monkeypatch.setattr(hfcompress.evaluate, "load_converted", never)
+    monkeypatch.setattr(hfcompress.evidence.evaluate, "load_converted", never)
     monkeypatch.setenv("HFCOMPRESS_VLLM_PYTHON", environment(tmp_path, vllm, plugin))
     model = converted_dir(tmp_path, converter)
     result = CliRunner().invoke(app, ["eval", str(model), "--engine", "vllm", "--no-speed", "--no-probe"])
@@ -151,7 +151,7 @@ def test_eval_refuses_a_vllm_environment_that_cannot_serve_the_model_before_any_
 
 def test_the_converted_config_records_the_converter_version_the_plugin_compares(tmp_path):
     """config.json states `hfcompress_version` (build.converted_config), and the remote code loads it back unchanged."""
-    from hfcompress.build import converted_config
+    from hfcompress.conversion.build import converted_config
     from hfcompress.families import family_of
 
     config = converted_config(tiny_config(), {"lisa_layers": {}, "fasc_ranks": {}})

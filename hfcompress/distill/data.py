@@ -7,10 +7,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..calibrate import load_or_compute
+from ..conversion.calibrate import load_or_compute
 from ..errors import HfcompressError
 from ..progress import progress_bar
-from ..text import prefixed
+from ..sources.text import prefixed
 from .options import DistillOptions
 
 GREEDY_START_TOKENS = 4  # generated windows: a random first token, then this many greedy ones, then sampling (LLM-QAT)

@@ -6,8 +6,8 @@ from pathlib import Path
 
 from torch import nn
 
-from ..calibrate import cache_key
-from ..methods import Finisher, register
+from ..conversion.calibrate import cache_key
+from ..conversion.methods import Finisher, register
 from .data import DistillData
 from .options import DistillOptions, launched_processes
 from .train import distill, prepare_student

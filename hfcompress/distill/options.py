@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 
 from ..errors import HfcompressError
-from ..options import at_least, option
+from ..conversion.options import at_least, option
 
 DEFAULT_TOKENS = 16_384  # when --distill-tokens is not given and the whole model fits (measured: benchmarks/scaling)
 # where the training windows come from: the calibration text, text the original model samples itself, or both

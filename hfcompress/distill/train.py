@@ -20,13 +20,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..atomic import save_atomic
+from ..conversion.atomic import save_atomic
 from ..errors import HfcompressError
 from ..fasc.weights import is_fasc_parameter
 from ..lisa.fit import LOWRANK_INPUT_RMS
 from ..lisa.weights import is_lisa_parameter
 from ..progress import console, training_bar
-from ..validate import perplexity
+from ..evidence.validate import perplexity
 from .data import DistillData, training_windows
 from .options import DistillOptions
 

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..calibrate import LinearStats
+from ..conversion.calibrate import LinearStats
 from ..errors import HfcompressError
 from .options import METHODS, FascOptions
 

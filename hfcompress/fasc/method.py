@@ -5,9 +5,9 @@ from dataclasses import asdict, replace
 
 import torch
 
-from ..atomic import save_atomic
-from ..calibrate import LinearStats
-from ..methods import LayerContext, Method, Planner, register
+from ..conversion.atomic import save_atomic
+from ..conversion.calibrate import LinearStats
+from ..conversion.methods import LayerContext, Method, Planner, register
 from .factorise import Decomposition, FascLayerResult, decompose, dependence_violation, layer_result, plan_ranks, trusted_layers
 from .options import FascOptions
 from .weights import replace_linear

@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 
 from ..errors import HfcompressError
-from ..options import option
+from ..conversion.options import option
 
 METHODS = ("fisher", "whiten", "svd", "pca")
 DEFAULT_TARGETS = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "self_attn.o_proj", "self_attn.v_proj")

@@ -16,11 +16,11 @@ from dataclasses import asdict, replace
 import torch
 from torch import nn
 
-from ..atomic import save_atomic
-from ..calibrate import LinearStats
+from ..conversion.atomic import save_atomic
+from ..conversion.calibrate import LinearStats
 from ..errors import HfcompressError
-from ..layer_plan import kv_values
-from ..methods import LayerContext, Method, Planner, register
+from ..conversion.layer_plan import kv_values
+from ..conversion.methods import LayerContext, Method, Planner, register
 from .options import MIN_KEY_RANK, KeyOptions, key_width
 from .statistics import KeyStatistics
 from .subspace import KeySubspace, plan_sizes

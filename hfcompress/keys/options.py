@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 
 from ..errors import HfcompressError
-from ..options import option
+from ..conversion.options import option
 
 # the narrowest latent a layer keeps: below it single layers' losses grow fast (benchmarks/results-key-compression*.md)
 MIN_KEY_RANK = 8

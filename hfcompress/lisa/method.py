@@ -5,10 +5,10 @@ from dataclasses import asdict, replace
 
 import torch
 
-from ..calibrate import cache_key, load_or_compute
+from ..conversion.calibrate import cache_key, load_or_compute
 from ..errors import HfcompressError
-from ..layer_plan import LayerPlan, kv_values, largest_within, plan_sequence, ranked_actions
-from ..methods import LayerContext, Method, Planner, register
+from ..conversion.layer_plan import LayerPlan, kv_values, largest_within, plan_sequence, ranked_actions
+from ..conversion.methods import LayerContext, Method, Planner, register
 from ..progress import console
 from .fit import FittedLayer, fit_inputs, fit_shared_layer, shared_attention
 from .handoff import Below, handed_over

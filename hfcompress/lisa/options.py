@@ -4,8 +4,8 @@ and the check against the model (`check_against_model`). The defaults live here 
 from dataclasses import dataclass
 
 from ..errors import HfcompressError
-from ..layer_plan import PLAN_KINDS
-from ..options import at_least, option
+from ..conversion.layer_plan import PLAN_KINDS
+from ..conversion.options import at_least, option
 from .rank import LOWRANK_KEYS, lowrank_rank
 from .selection import check_drop_layers, check_shared_layers, most_with_max_chain, shareable_layers, too_few_candidates
 

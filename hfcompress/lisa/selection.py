@@ -12,8 +12,8 @@ others, and --lisa-layers naming one is refused.
 from collections.abc import Callable
 
 from ..errors import HfcompressError
-from ..layer_plan import chain_length, largest_within
-from ..methods import Planner
+from ..conversion.layer_plan import chain_length, largest_within
+from ..conversion.methods import Planner
 from .similarity import LayerSimilarity
 
 

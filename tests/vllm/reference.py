@@ -44,7 +44,8 @@ def free_sources(heads: int, generator: torch.Generator) -> list[int]:
 
 
 # name -> (family case of test_families, lisa layers, layers whose sources cross KV groups, fasc linears, dropped,
-# layers with low-rank keys: the root below a shared layer among them)
+# layers with low-rank keys: the root below a shared layer among them; the plugin caches their latent, the root's handed
+# to the shared layers above)
 TINY = {
     "llama": ("llama", [1, 2], False, ["1.mlp.down_proj", "2.self_attn.o_proj", "0.self_attn.q_proj"], [3], [0]),
     "llama-own": ("llama", [2, 3], True, ["3.mlp.gate_proj"], [], [0, 1]),
@@ -52,7 +53,7 @@ TINY = {
     "qwen2": ("qwen2", [1, 3], False, ["0.self_attn.k_proj"], [], [0, 2]),
     "qwen3": ("qwen3", [1, 2], False, ["1.mlp.up_proj"], [3], [0]),
     "gemma3": ("gemma3", [1, 3], False, ["3.mlp.down_proj"], [], [0, 2]),
-    "llama-wide": ("llama-wide", [1, 2], False, ["1.mlp.down_proj"], [3], []),
+    "llama-wide": ("llama-wide", [1, 2], False, ["1.mlp.down_proj"], [3], [0]),
 }
 
 
@@ -86,7 +87,7 @@ def convert_in_memory(original, lisa: list[int], cross_groups: bool, fasc: dict[
     """The family's converted model of `original` with these LISA layers (sparse Align, low-rank keys per KV group,
     small random low-rank Q/K, scales near 1), FASC linears (truncated SVD of the original weight), dropped attentions
     and key latents (`key_ranks`: a random rank-(width*3/4) orthogonal projection of the keys)."""
-    from hfcompress.build import converted_config
+    from hfcompress.conversion.build import converted_config
     from hfcompress.families import family_of
 
     cfg = original.config
@@ -131,7 +132,7 @@ def convert_in_memory(original, lisa: list[int], cross_groups: bool, fasc: dict[
 
 
 def save(model, tokenizer, out: Path) -> None:
-    from hfcompress.build import save_companion_files
+    from hfcompress.conversion.build import save_companion_files
 
     model.save_pretrained(out)
     save_companion_files(tokenizer, None, out)
@@ -181,7 +182,7 @@ def greedy_reference(out: Path, prompts: list[list[int]]) -> dict:
 def build(name: str, root: Path) -> None:
     out = root / name
     if name == "smollm2":
-        from hfcompress.source import BUILTIN_SOURCE, load_source, resolve_source
+        from hfcompress.sources.source import BUILTIN_SOURCE, load_source, resolve_source
 
         original, tokenizer = load_source(resolve_source(BUILTIN_SOURCE))
         original = original.float()

@@ -1,4 +1,4 @@
-"""Prompt log-probabilities through vLLM, for `hfcompress eval DIR --engine vllm` (hfcompress/evaluate.py).
+"""Prompt log-probabilities through vLLM, for `hfcompress eval DIR --engine vllm` (hfcompress/evidence/evaluate.py).
 
 Runs in vLLM's environment (HFCOMPRESS_VLLM_PYTHON), called by `hfcompress eval` from hfcompress's own:
     python -m hfcompress_vllm.score MODEL_DIR WINDOWS.json OUT.json

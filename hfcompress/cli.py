@@ -154,6 +154,7 @@ def convert(
     lisa_steps: int = option(LisaOptions, "steps"),
     lisa_batch_size: int = option(LisaOptions, "batch_size"),
     kv_budget: float = option(KeyOptions, "kv_budget"),
+    kv_plan: str = option(KeyOptions, "plan"),
     fasc_budget: float = option(FascOptions, "budget"),
     fasc_method: str = option(FascOptions, "method"),
     fasc_targets: str = option(FascOptions, "targets", default=",".join(FascOptions.targets)),
@@ -230,7 +231,7 @@ def convert(
                 batch_size=lisa_batch_size,
                 seed=seed,
             ),
-            keys=KeyOptions(kv_budget=kv_budget),
+            keys=KeyOptions(kv_budget=kv_budget, plan=kv_plan),
             fasc=FascOptions(
                 method=fasc_method,
                 budget=fasc_budget,

@@ -253,3 +253,48 @@ def test_back_off_raises_the_kv_budget_by_the_overshoot():
     assert barely.keys.kv_budget == round(1 - 0.4 * 29 / 30, 4)
     keys.ranks = {}  # nothing narrowed any more: nothing to lower
     assert fewer_changes(options, methods, rows) is None
+
+
+@pytest.mark.slow
+def test_the_joint_kv_plan_drops_attention_and_narrows_keys_within_the_budget(checkpoints, tmp_path):
+    """`--kv-plan joint --kv-budget 0.45`: below what keys alone reach (every layer keeps V, half the cache), so the plan
+    drops attention in some layers and narrows keys in others, by the measured estimates it reports; the written
+    model's config states both, caches at most 0.45x, and reloads in a fresh process with the streamed logits."""
+    import json
+
+    from test_families import FAST
+    from typer.testing import CliRunner
+
+    from hfcompress.cli import app
+
+    out = tmp_path / "out"
+    fast = [arg for arg in FAST if arg not in ("--fasc-budget", "0.8")]
+    args = ["convert", str(checkpoints["qwen2"]), "--out", str(out), *fast, "--share-ratio", "0",
+            "--kv-plan", "joint", "--kv-budget", "0.45"]  # fmt: skip
+    result = CliRunner().invoke(app, args, env={"HFCOMPRESS_CACHE": str(tmp_path / "cache")})
+    assert result.exit_code == 0, result.output
+    config = json.loads((out / "config.json").read_text())
+    report = json.loads((out / "hfcompress_report.json").read_text())
+    dropped = config["dropped_attention_layers"]
+    assert dropped and not set(map(int, config.get("key_ranks", {}))) & set(dropped)
+    keys = report["keys"]
+    assert keys["plan"] == "joint" and keys["dropped_attention_layers"] == dropped
+    assert {row["action"] for row in keys["layers"]} >= {"drop"}
+    assert all("estimated_loss" in row for row in keys["layers"])
+    values = keys["kv_values_per_token"]
+    assert values["converted"] <= 0.45 * values["original"]
+    assert report["validation"]["reload"]["max_abs_logit_diff"] <= 1e-4
+    card = (out / "README.md").read_text()
+    assert "### Dropped attention" in card and "--kv-plan joint" in card
+
+
+def test_a_kv_budget_for_the_joint_plan_only_is_refused_for_keys_alone(tmp_path):
+    from typer.testing import CliRunner
+
+    from hfcompress.cli import app
+
+    args = ["convert", str(tmp_path / "missing"), "--out", str(tmp_path / "o"), "--kv-budget", "0.4", "--kv-plan", "keys"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and "--kv-plan joint" in result.output and "takes (0, 1.0]" in result.output
+    result = CliRunner().invoke(app, [*args[:-1], "mixed"])
+    assert result.exit_code == 2 and "Unknown --kv-plan 'mixed'" in result.output

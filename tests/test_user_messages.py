@@ -162,3 +162,24 @@ def test_plots_show_every_gated_text_and_a_single_kl_point(tmp_path):
     width = __import__("matplotlib.image").image.imread(distillation).shape[1]
     blue = (31, 119, 180)  # tab:blue: the KL marker in the left panel
     assert _coloured_fraction(distillation, blue, slice(0, width // 2)) > 0.0002
+
+
+def test_the_tradeoff_plot_shows_the_plans_back_off_tried(tmp_path):
+    """The plans a failed gate made --back-off leave appear beside the written one, each at its own KV cache."""
+    from hfcompress.evidence.plots import tradeoff
+
+    def text(name, original, converted):
+        return {"eval_text": name, "original": {"perplexity": original}, "converted": {"perplexity": converted}}
+
+    texts = [text("mixture", 19.0, 19.3), text("numpy-docs", 14.4, 14.5)]
+    report = {
+        "validation": {"texts": texts},
+        "peers": {"kv_values_per_token": {"original": 100, "converted": 79}, "peers": []},
+    }
+    tradeoff(report, tmp_path / "alone.png")
+    failed = {"kv_ratio": 0.6, "gate_passed": False, "texts": [{"perplexity_increase_pct": 17.4}, {"perplexity_increase_pct": 18.6}]}
+    kept = {"kv_ratio": 0.79, "gate_passed": True, "texts": [{"perplexity_increase_pct": 1.2}, {"perplexity_increase_pct": 0.7}]}
+    tradeoff({**report, "back_off": [failed, kept]}, tmp_path / "tried.png")
+    green = (44, 160, 44)
+    everything = slice(None)
+    assert _coloured_fraction(tmp_path / "tried.png", green, everything) > _coloured_fraction(tmp_path / "alone.png", green, everything)

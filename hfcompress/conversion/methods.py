@@ -38,6 +38,9 @@ class LayerContext:
     previous: Callable[[], "LayerContext | None"]  # the layer below (rebuilt on demand, e.g. when a pass resumes)
     is_main: bool = True
     hidden_input: Callable[[], torch.Tensor] | None = None  # every process's layer inputs (N, T, d): the residual stream
+    # the backward pass only: every process's d(summed calibration loss) / d(layer output), (N, T, d)
+    output_gradient: Callable[[], torch.Tensor] | None = None
+    run_layer: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None  # a decoder layer's output on inputs
 
 
 @dataclass
@@ -121,6 +124,18 @@ class Method(ABC):
         """`options` (ConvertOptions) with this method's plan changing `count` of its changed layers (or as much less as
         that), and the change in words for the log; None when it cannot."""
         return None
+
+
+def merged_config_entries(methods: list[Method]) -> dict:
+    """Every method's config.json entries; a list two methods give (the dropped attentions of LISA's plan and of the
+    KV plan) is their union."""
+    entries: dict = {}
+    for method in methods:
+        for key, value in method.config_entries().items():
+            if isinstance(value, list) and isinstance(entries.get(key), list):
+                value = sorted({*entries[key], *value})
+            entries[key] = value
+    return entries
 
 
 class Finisher(ABC):

@@ -27,7 +27,7 @@ from .calibrate import cache_key, new_linear_stats, tensor_fingerprint, track_li
 from .checkpoint import save_tensors
 from ..errors import HfcompressError
 from ..evidence.gate import refuse_non_finite
-from .methods import Method, Planner
+from .methods import Method, Planner, merged_config_entries
 from ..progress import console, progress_bar
 from .run import Run
 from .stream import Processes, token_nll
@@ -116,7 +116,7 @@ def backward_pass(run: Run, methods: list[Method]) -> None:
     for idx in progress_bar(order[done:], "calibrate: gradient statistics, layer by layer", total=len(order), done=done):
         layer = stream.original_layer(idx)
         hidden = run.hidden(idx)
-        ctx = run.context(idx, layer, hidden)
+        ctx = run.context(idx, layer, hidden, output_gradient=grad)
         wanted = {m.name: m.gradient_linears(ctx) for m in methods}
         linears = {name: linear for per_method in wanted.values() for name, linear in per_method.items()}
         stats = new_linear_stats(linears, torch.Generator().manual_seed(seed * 100_003 + idx), run.device)
@@ -154,7 +154,7 @@ def convert_pass(run: Run, methods: list[Method], evaluations: list[Evaluation],
     a candidate plan, only scored), and the evaluation windows move through the original and the converted layer.
     With `work`, the progress is saved after every layer and a rerun resumes at the next one."""
     stream, processes = run.stream, run.processes
-    config = stream.layer_config({k: v for m in methods for k, v in m.config_entries().items()})
+    config = stream.layer_config(merged_config_entries(methods))
     progress_file = run.process_dir(work) / "progress.pt" if work is not None else None
     start = 0
     if progress_file is not None and progress_file.is_file():
@@ -271,7 +271,7 @@ def convert_layers(run: Run, methods: list[Method]) -> Converted:
             expected_logits = (norm(reload_probe.converted[0].to(run.device)) @ lm_head.T).cpu()
         del evaluations, reload_probe, norm, lm_head
     refuse_non_finite(perplexities)
-    config = converted_config(run.source_config, {k: v for m in methods for k, v in m.config_entries().items()})
+    config = converted_config(run.source_config, merged_config_entries(methods))
     config.dtype = run.saved_dtype
     layer_files = [f"layer-{i:05d}.safetensors" for i in range(run.stream.num_layers)] + ["rest.safetensors"]
     return Converted(config, work, work, layer_files, perplexities, expected_logits)

@@ -137,8 +137,9 @@ class Run:
     def hidden(self, idx: int) -> torch.Tensor:
         return torch.load(self.hidden_dir / f"hidden-{idx}.pt")
 
-    def context(self, idx: int, layer: torch.nn.Module, hidden: torch.Tensor) -> LayerContext:
-        """The LayerContext of layer idx, whose input hidden states (this process's) are `hidden`."""
+    def context(self, idx: int, layer: torch.nn.Module, hidden: torch.Tensor, output_gradient: torch.Tensor | None = None) -> LayerContext:
+        """The LayerContext of layer idx, whose input hidden states (this process's) are `hidden`; in the backward pass
+        `output_gradient`, the loss gradient at its output (this process's)."""
         stream, processes, cache = self.stream, self.processes, {}
 
         def attention_input() -> torch.Tensor:
@@ -156,8 +157,12 @@ class Run:
                 return None
             return self.context(idx - 1, stream.original_layer(idx - 1), self.hidden(idx - 1))
 
+        def gradient() -> torch.Tensor:
+            return processes.gather(output_gradient.to(self.device))
+
         return LayerContext(
             index=idx, num_layers=stream.num_layers, layer=layer, device=self.device, attention_input=attention_input,
             cos_sin=lambda seq_len: stream.cos_sin(seq_len, idx), previous=previous, is_main=processes.is_main,
-            hidden_input=hidden_input,
+            hidden_input=hidden_input, output_gradient=gradient if output_gradient is not None else None,
+            run_layer=lambda module, inputs: stream.run(module, inputs)[0],
         )

@@ -312,7 +312,7 @@ def render_card(report: dict, repo_id: str) -> ModelCard:
     similarity = {row["layer"]: row for row in lisa["similarity"]}
     fasc_layers = [r for r in fasc["layers"] if r.get("rank") is not None]
     keys = report.get("keys") or {"layers": []}
-    key_layers = [row for row in keys["layers"] if row["rank"] < row["width"]]
+    key_layers = [row for row in keys["layers"] if row.get("action", "keys") == "keys" and row["rank"] < row["width"]]
     calibration_dataset = report.get("calibration", {}).get("dataset")  # one Hub dataset split: the card links it
     # every Hub dataset the calibration text read (a mixture's Hub domains too); reports before the list have the one
     calibration_datasets = report.get("calibration", {}).get("datasets") or ([calibration_dataset] if calibration_dataset else [])
@@ -385,7 +385,7 @@ def render_card(report: dict, repo_id: str) -> ModelCard:
         hardware=report["hardware"],
         speed=report.get("speed"),
         dtype=report.get("dtype", "float32"),
-        dropped_layers=lisa.get("dropped_attention_layers") or [],
+        dropped_layers=sorted({*(lisa.get("dropped_attention_layers") or []), *(keys.get("dropped_attention_layers") or [])}),
         peers=peers_view(report),
         back_off=report.get("back_off") or [],
     )

@@ -141,6 +141,10 @@ def tradeoff(report: dict, path: Path) -> Path:
             own = values["converted"] / values["original"] if measure == "kv" else speed["decode_speedup"]
             ax.scatter([1.0], [text["original"]["perplexity"]], marker="D", color="tab:gray", label="original", zorder=3)
             ax.scatter([own], [text["converted"]["perplexity"]], marker="*", s=160, color="tab:green", label="this conversion", zorder=4)
+            tried = [a for a in report.get("back_off") or [] if a.get("kv_ratio") is not None and not a["gate_passed"]]
+            if measure == "kv" and tried:  # the plans --back-off tried before this one, each on its own KV cache
+                ax.scatter([a["kv_ratio"] for a in tried], [text["original"]["perplexity"] * (1 + a["texts"][i]["perplexity_increase_pct"] / 100) for a in tried],
+                           marker="x", color="tab:green", label="gate failed (back-off)", zorder=3)  # fmt: skip
             for kind, (marker, color) in styles.items():
                 rows = [p for p in peers["peers"] if p["kind"] == kind and (measure == "kv" or p["name"] in timed)]
                 if rows:

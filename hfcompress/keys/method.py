@@ -7,6 +7,10 @@ its keys, z = B k, and its queries read RoPE(A z) (the remote code's `key_ranks`
                        attentions) are spread over the layers by the Fisher surrogate (subspace.plan_sizes)
     apply              key_latent.proj_in = B, proj_out = A: the Fisher-aligned directions (subspace.KeySubspace)
 
+With `--kv-plan joint` the backward pass also measures, per layer, what each action does to the layer's output on the
+calibration inputs (its keys on JOINT_FRACTIONS of their width in Fisher directions, or its attention dropped), weighted by
+the loss gradient there (`action_costs`), and the plan chooses one action per layer under the budget (joint.py).
+
 The pre-RoPE latent was chosen over the RoPE-commuting one by measurement (docs/key-compression.md): at 0.75x KV on
 SmolLM2, +2.6% against +37% held-out perplexity, training-free.
 """
@@ -21,11 +25,17 @@ from ..conversion.calibrate import LinearStats
 from ..errors import HfcompressError
 from ..conversion.layer_plan import kv_values
 from ..conversion.methods import LayerContext, Method, Planner, register
+from ..lisa.weights import without_attention
+from ..remote import import_remote
+from .joint import Option, plan_layers
 from .options import MIN_KEY_RANK, KeyOptions, key_width
 from .statistics import KeyStatistics
 from .subspace import KeySubspace, plan_sizes
 
 CRITERION, LAYOUT = "fisher", "pre"
+# the joint plan's latent widths, as fractions of the layer's key width (rounded to multiples of 8): eight measured
+# actions a layer at any width, dense where the loss turns (narrow latents)
+JOINT_FRACTIONS = (1 / 24, 1 / 12, 1 / 6, 1 / 4, 1 / 3, 1 / 2, 2 / 3, 5 / 6)
 
 
 class KeyOutput:
@@ -54,6 +64,45 @@ def latent_factors(sub: KeySubspace, rank: int) -> tuple[torch.Tensor, torch.Ten
     return (down * scale[:, None]).float(), (up / scale).float()
 
 
+def joint_widths(width: int) -> list[int]:
+    """The latent widths the joint plan measures for keys `width` values wide (SmolLM2's 192: 8, 16, 32, ..., 160)."""
+    return sorted({max(MIN_KEY_RANK, round(width * f / 8) * 8) for f in JOINT_FRACTIONS} - {width})
+
+
+def action_costs(ctx: LayerContext, sub: KeySubspace, widths: list[int]) -> dict[str, float]:
+    """Per action on layer `ctx.index` alone (its attention dropped: "drop"; its keys on n Fisher directions: "n"), the
+    loss change it causes, estimated from what it does to the layer's output on the calibration inputs, Δ, and the
+    loss gradient there, g (of the summed loss): per token the first-order change g.Δ plus the Gauss-Newton term of
+    the token's empirical Fisher, (g.Δ)^2 / 2, summed over the tokens and divided by their count (mean nats a token).
+    Unlike the keys' own surrogate it sees the softmax, the output projection and the MLP after them, and prices a
+    dropped attention in the same units (benchmarks/joint_plan.py compares both with the loss itself)."""
+    hidden, grad = ctx.hidden_input(), ctx.output_gradient()  # collectives: every process calls them
+    if not ctx.is_main:
+        return {}
+    layer, attention = ctx.layer, ctx.layer.self_attn
+    tokens = hidden.shape[0] * hidden.shape[1]
+    fasc_linear = import_remote("lisa_attention").FascLinear
+    with torch.no_grad():
+        base = ctx.run_layer(layer, hidden)
+
+        def cost(out: torch.Tensor) -> float:
+            dot = (grad * (out - base)).sum(-1).double()
+            return float(dot.sum() + dot.pow(2).sum() / 2) / tokens
+
+        costs = {"drop": cost(layer.after_attention(hidden, None))}
+        for n in widths:
+            down, up = latent_factors(sub, n)
+            latent = fasc_linear(sub.width, sub.width, n).to(ctx.device)
+            latent.proj_in.weight.copy_(down)
+            latent.proj_out.weight.copy_(up)
+            attention.key_latent = latent
+            try:
+                costs[str(n)] = cost(ctx.run_layer(layer, hidden))
+            finally:
+                attention.key_latent = None
+    return costs
+
+
 @register
 class KeysMethod(Method):
     name = "keys"
@@ -63,6 +112,7 @@ class KeysMethod(Method):
     def __init__(self, options: KeyOptions) -> None:
         self.options = options
         self.ranks: dict[int, int] = {}
+        self.dropped: list[int] = []  # the joint plan's dropped attentions
         self.factors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.rows: list[dict] = []
         self.values: dict[str, int] = {}
@@ -78,7 +128,8 @@ class KeysMethod(Method):
         return {**asdict(self.options), "criterion": CRITERION, "layout": LAYOUT}
 
     def calibration_settings(self) -> dict:
-        return {}  # C and G depend on the model and the calibration text only
+        # C and G depend on the model and the calibration text only; the joint plan measures its actions besides
+        return {"plan": "joint"} if self.options.plan == "joint" else {}
 
     def observe(self, ctx: LayerContext) -> None:
         if not ctx.is_main:
@@ -94,47 +145,91 @@ class KeysMethod(Method):
         return {f"{ctx.index}.self_attn.keys": module}
 
     def observe_gradients(self, ctx: LayerContext, stats: dict[str, LinearStats]) -> None:
-        if not ctx.is_main:
-            return
         entry = stats[f"{ctx.index}.self_attn.keys"]
         path = self.store / f"keys-{ctx.index}.pt"
+        G = (entry.gg / entry.tokens).cpu()
+        costs = {}
+        if self.options.plan == "joint":
+            saved = torch.load(path)
+            sub = KeySubspace(KeyStatistics(C=saved["C"], q2=torch.zeros(0), G=G), None, CRITERION, LAYOUT, ctx.layer.self_attn.head_dim)
+            costs = action_costs(ctx, sub, joint_widths(sub.width))
+        if not ctx.is_main:
+            return
         saved = torch.load(path)
-        save_atomic({**saved, "G": (entry.gg / entry.tokens).cpu()}, path)
+        save_atomic({**saved, "G": G, "costs": costs}, path)
 
     def plan(self, planner: Planner) -> None:
         """Per layer that keeps its attention, its latent width: the budget's values, less what every layer's values and
-        the other methods' layers keep, spread where the Fisher surrogate says the loss is."""
+        the other methods' layers keep, spread where the Fisher surrogate says the loss is (--kv-plan keys); or one
+        action per layer, keep, a latent width or drop, of least estimated loss within the budget (--kv-plan joint)."""
         config = planner.config
         width, layers = key_width(config), planner.num_layers
         dropped = set(planner.notes.get("dropped_attention_layers", []))
         shared = planner.notes.get("shared_kv_values", {})  # layer -> values a shared layer caches
         kept = [i for i in range(layers) if i not in dropped and i not in shared]
         budget = self.options.kv_budget * kv_values(config, 0, 0)["keep"] * layers
-        for_keys = int(budget - sum(shared.values()) - width * len(kept))
-        if for_keys < MIN_KEY_RANK * len(kept):
-            raise HfcompressError(
-                f"--kv-budget {self.options.kv_budget} leaves {max(for_keys, 0)} key values a token for the {len(kept)} "
-                f"layers that keep their attention, fewer than {MIN_KEY_RANK} each: give a larger --kv-budget."
-            )
-        subspaces = []
-        for idx in kept:
-            saved = torch.load(self.store / f"keys-{idx}.pt")
-            stats = KeyStatistics(C=saved["C"], q2=torch.zeros(0), G=saved["G"])
-            subspaces.append(KeySubspace(stats, None, CRITERION, LAYOUT, config.head_dim))
-        sizes = plan_sizes(subspaces, for_keys, floor=MIN_KEY_RANK)
+        saved = {idx: torch.load(self.store / f"keys-{idx}.pt") for idx in kept}
+        subspaces = {
+            idx: KeySubspace(KeyStatistics(C=s["C"], q2=torch.zeros(0), G=s["G"]), None, CRITERION, LAYOUT, config.head_dim)
+            for idx, s in saved.items()
+        }  # fmt: skip
+        estimates: dict[int, float] = {}
+        if self.options.plan == "joint":
+            chosen = self.joint_plan({idx: s["costs"] for idx, s in saved.items()}, shared, budget, width)
+            self.dropped = sorted(idx for idx, option in chosen.items() if option.action == "drop")
+            sizes = {idx: option.width or width for idx, option in chosen.items() if option.action != "drop"}
+            estimates = {idx: max(option.cost, 0.0) for idx, option in chosen.items()}
+            # FASC (planned next) leaves a dropped attention's linears alone
+            planner.notes["dropped_attention_layers"] = sorted({*dropped, *self.dropped})
+        else:
+            for_keys = int(budget - sum(shared.values()) - width * len(kept))
+            if for_keys < MIN_KEY_RANK * len(kept):
+                raise HfcompressError(
+                    f"--kv-budget {self.options.kv_budget} leaves {max(for_keys, 0)} key values a token for the "
+                    f"{len(kept)} layers that keep their attention, fewer than {MIN_KEY_RANK} each: give a larger "
+                    "--kv-budget, or --kv-plan joint (which may drop attention)."
+                )  # fmt: skip
+            self.dropped = []
+            sizes = dict(zip(kept, plan_sizes([subspaces[idx] for idx in kept], for_keys, floor=MIN_KEY_RANK)))
         self.ranks, self.factors, self.rows = {}, {}, []
-        for idx, sub, size in zip(kept, subspaces, sizes):
-            self.rows.append({"layer": idx, "rank": size, "width": width, "surrogate_loss": sub.cost(size)})
+        for idx in kept:
+            if idx in self.dropped:
+                self.rows.append({"layer": idx, "action": "drop", "rank": 0, "width": width, "estimated_loss": estimates[idx]})
+                continue
+            size, sub = sizes[idx], subspaces[idx]
+            row = {"layer": idx, "action": "keys" if size < width else "keep", "rank": size, "width": width,
+                   "surrogate_loss": sub.cost(size)}  # fmt: skip
+            self.rows.append({**row, "estimated_loss": estimates[idx]} if idx in estimates else row)
             if size < width:
                 self.ranks[idx] = size
                 self.factors[idx] = latent_factors(sub, size)
-        cached = sum(sizes) + width * len(kept) + sum(shared.values())
+        cached = sum(sizes.values()) + width * len(sizes) + sum(shared.values())
         self.values = {"original": kv_values(config, 0, 0)["keep"] * layers, "converted": cached}
+
+    def joint_plan(self, costs: dict[int, dict], shared: dict[int, int], budget: float, width: int) -> dict[int, Option]:
+        """One Option per layer that keeps its attention: keep, keys at a latent width or drop (not layer 0, whose
+        attention every model keeps, nor below a shared layer: it reads the attention of the layer below), least summed
+        estimated loss within the budget."""
+        anchors = {0, *(layer - 1 for layer in shared)}
+        menus = {}
+        for idx, measured in costs.items():
+            menu = [Option("keep", 2 * width, 0.0)]
+            menu += [Option("keys", width + n, measured[str(n)], n) for n in joint_widths(width)]
+            menus[idx] = menu + ([Option("drop", 0, measured["drop"])] if idx not in anchors else [])
+        try:
+            return plan_layers(menus, budget - sum(shared.values()))
+        except ValueError:
+            raise HfcompressError(
+                f"--kv-budget {self.options.kv_budget} is below what this model can reach with the layers LISA shares "
+                "(they keep their cache, and so do the layers they read): give a larger --kv-budget."
+            ) from None
 
     def touches(self, index: int) -> bool:
         return False  # apply needs no calibration inputs
 
     def apply(self, ctx: LayerContext, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if ctx.index in self.dropped:
+            return without_attention(state, ctx.layer)
         if ctx.index not in self.factors:
             return state
         down, up = self.factors[ctx.index]
@@ -142,19 +237,21 @@ class KeysMethod(Method):
         return {**state, prefix + "proj_in.weight": down, prefix + "proj_out.weight": up}
 
     def changed_layers(self) -> dict[str, list[int]]:
-        return {"low-rank keys": sorted(self.ranks)}
+        return {"low-rank keys": sorted(self.ranks), "attention dropped (KV plan)": self.dropped}
 
     def with_fewer_changes(self, options, count: int):
         """The key saving scaled by count / changed layers: a --kv-budget closer to 1 (the plan then narrows the keys
         of about as many layers, each less)."""
-        budget = round(1.0 - (1.0 - self.options.kv_budget) * count / len(self.ranks), 4)
+        budget = round(1.0 - (1.0 - self.options.kv_budget) * count / (len(self.ranks) + len(self.dropped)), 4)
         return replace(options, keys=replace(options.keys, kv_budget=budget)), f"--kv-budget {budget:g}"
 
     def config_entries(self) -> dict:
-        return {"key_ranks": {str(idx): rank for idx, rank in self.ranks.items()}} if self.ranks else {}
+        entries = {"key_ranks": {str(idx): rank for idx, rank in self.ranks.items()}} if self.ranks else {}
+        return {**entries, "dropped_attention_layers": self.dropped} if self.dropped else entries
 
     def report(self) -> dict:
         return {
-            "kv_budget": self.options.kv_budget, "criterion": CRITERION, "layout": "pre-RoPE latent, RoPE on the rebuilt keys",
+            "kv_budget": self.options.kv_budget, "plan": self.options.plan, "dropped_attention_layers": self.dropped,
+            "criterion": CRITERION, "layout": "pre-RoPE latent, RoPE on the rebuilt keys",
             "kv_values_per_token": self.values, "layers": self.rows,
         }  # fmt: skip

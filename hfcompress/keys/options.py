@@ -7,6 +7,7 @@ from ..conversion.options import option
 
 # the narrowest latent a layer keeps: below it single layers' losses grow fast (benchmarks/results-key-compression*.md)
 MIN_KEY_RANK = 8
+KV_PLANS = ("keys", "joint")
 
 
 @dataclass
@@ -19,18 +20,29 @@ class KeyOptions:
         "Fisher-aligned latent, per-layer widths) until it fits, after sharing and dropping (1.0 = off)."
     )  # fmt: skip
 
+    # how the budget is spent: "keys" narrows the keys of every layer by the Fisher surrogate of the keys alone;
+    # "joint" chooses per layer among keep, low-rank keys (one of eight widths, method.JOINT_FRACTIONS) and dropping
+    # the attention, by each action's measured effect on the layer's output, weighted by the loss gradient (joint.py)
+    plan: str = option(
+        "keys", "How --kv-budget is spent: keys (every layer's keys narrowed) or joint (per layer: keep, low-rank keys "
+        "or drop the attention, whichever costs least by measured effect).", "--kv-plan",
+    )  # fmt: skip
+
     def validate(self) -> "KeyOptions":
-        if not 0.5 < self.kv_budget <= 1.0:
+        if self.plan not in KV_PLANS:
+            raise HfcompressError(f"Unknown --kv-plan '{self.plan}': choose one of {', '.join(KV_PLANS)}.")
+        if not 0.5 < self.kv_budget <= 1.0 and not (self.plan == "joint" and 0.0 < self.kv_budget <= 1.0):
             raise HfcompressError(
                 f"--kv-budget must be in (0.5, 1.0] (the values cache a token relative to the original's; the keys are "
-                f"half of them, and compressing only them cannot go to 0.5), got {self.kv_budget}."
+                f"half of them, and compressing only them cannot go to 0.5; --kv-plan joint, which also drops "
+                f"attention, takes (0, 1.0]), got {self.kv_budget}."
             )
         return self
 
     def check_against_model(self, config) -> None:
         """The budget must leave every layer its values and MIN_KEY_RANK key values a token (a converted config: what
         sharing or dropping would save besides is not planned yet)."""
-        if self.kv_budget == 1.0:
+        if self.kv_budget == 1.0 or self.plan == "joint":  # joint: dropped attentions free any budget above 0
             return
         width, layers = key_width(config), config.num_hidden_layers
         least = layers * (width + MIN_KEY_RANK)

@@ -8,7 +8,7 @@ its keys, z = B k, and its queries read RoPE(A z) (the remote code's `key_ranks`
     apply              key_latent.proj_in = B, proj_out = A: the Fisher-aligned directions (subspace.KeySubspace)
 
 With `--kv-plan joint` the backward pass also measures, per layer, what each action does to the layer's output on the
-calibration inputs (its keys on JOINT_FRACTIONS of their width in Fisher directions, or its attention dropped), weighted by
+calibration inputs (its keys on twelfths of their width in Fisher directions, or its attention dropped), weighted by
 the loss gradient there (`action_costs`), and the plan chooses one action per layer under the budget (joint.py).
 
 The pre-RoPE latent was chosen over the RoPE-commuting one by measurement (docs/key-compression.md): at 0.75x KV on
@@ -33,9 +33,9 @@ from .statistics import KeyStatistics
 from .subspace import KeySubspace, plan_sizes
 
 CRITERION, LAYOUT = "fisher", "pre"
-# the joint plan's latent widths, as fractions of the layer's key width (rounded to multiples of 8): eight measured
-# actions a layer at any width, dense where the loss turns (narrow latents)
-JOINT_FRACTIONS = (1 / 24, 1 / 12, 1 / 6, 1 / 4, 1 / 3, 1 / 2, 2 / 3, 5 / 6)
+# the joint plan's latent widths: twelfths of the layer's key width (multiples of 8) and MIN_KEY_RANK, twelve
+# measured actions a layer at any width (SmolLM2's 192: 8, 16, 32, ..., 176)
+JOINT_STEPS = 12
 
 
 class KeyOutput:
@@ -65,8 +65,9 @@ def latent_factors(sub: KeySubspace, rank: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def joint_widths(width: int) -> list[int]:
-    """The latent widths the joint plan measures for keys `width` values wide (SmolLM2's 192: 8, 16, 32, ..., 160)."""
-    return sorted({max(MIN_KEY_RANK, round(width * f / 8) * 8) for f in JOINT_FRACTIONS} - {width})
+    """The latent widths the joint plan measures for keys `width` values wide."""
+    steps = {max(MIN_KEY_RANK, round(width * k / JOINT_STEPS / 8) * 8) for k in range(1, JOINT_STEPS)}
+    return sorted({MIN_KEY_RANK, *steps} - {width})
 
 
 def action_costs(ctx: LayerContext, sub: KeySubspace, widths: list[int]) -> dict[str, float]:

@@ -21,7 +21,7 @@ class KeyOptions:
     )  # fmt: skip
 
     # how the budget is spent: "keys" narrows the keys of every layer by the Fisher surrogate of the keys alone;
-    # "joint" chooses per layer among keep, low-rank keys (one of eight widths, method.JOINT_FRACTIONS) and dropping
+    # "joint" chooses per layer among keep, low-rank keys (twelve widths, method.joint_widths) and dropping
     # the attention, by each action's measured effect on the layer's output, weighted by the loss gradient (joint.py)
     plan: str = option(
         "keys", "How --kv-budget is spent: keys (every layer's keys narrowed) or joint (per layer: keep, low-rank keys "

@@ -9,7 +9,8 @@ and 4. Runs in .venv-vllm (scripts/install_vllm.sh):
 
 Capacity: one engine per (model, KV cache dtype), started and closed one after the other (never two at once);
 `--full-keys NAME` adds NAME served with HFCOMPRESS_VLLM_KEYS=full (its key-latent layers caching their rebuilt keys at
-full width: what the plugin cached before the latent layout). Speed: one engine per model at the first KV cache dtype,
+full width: what the plugin cached before the latent layout), to both tables. Speed: one engine per model at the first
+KV cache dtype,
 alive side by side but used one at a time (an idle vLLM engine sleeps after a second), the rounds interleaved (the
 model order rotating each repeat), medians reported. A round at batch B: B prompts of exactly `--prompt-len` tokens
 (real text: the CPython docs, a different slice per round), greedy, EOS ignored, prefix caching off; timed once with 1
@@ -124,13 +125,13 @@ def main() -> None:
             layouts.setdefault(name, info["kv_layout"])
             print(f"{name}, KV cache {kv_cache_dtype}: {info['kv_capacity_tokens']:,} tokens", flush=True)
 
-    rates: dict[tuple[str, int], list[float]] = {(n, b): [] for n in models for b in args.batch_list}
-    loads: dict[tuple[str, int], list[float]] = {(n, b): [] for n in models for b in args.batch_list}
+    names = [name for name, _, _ in variants]
+    rates: dict[tuple[str, int], list[float]] = {(n, b): [] for n in names for b in args.batch_list}
+    loads: dict[tuple[str, int], list[float]] = {(n, b): [] for n in names for b in args.batch_list}
     procs = {}
-    for name, directory in models.items():  # started one after the other: start-up is not timed
-        procs[name] = start(directory, args, dtypes[0], base_env)
+    for name, directory, extra in variants:  # started one after the other: start-up is not timed
+        procs[name] = start(directory, args, dtypes[0], dict(base_env, **extra))
         answer(procs[name])
-    names = list(models)
 
     def timed(name: str, batch: int, new_tokens: int, seed: int) -> float:
         procs[name].stdin.write(f"{batch} {args.prompt_len} {new_tokens} {seed}\n")
@@ -193,7 +194,7 @@ def write_results(args, models, variants, dtypes, capacity, layouts, rates, load
         "| model | " + " | ".join(f"batch {b} | vs {base}" for b in args.batch_list) + " |",
         "|---|" + "---|---|" * len(args.batch_list),
     ]
-    for name in models:
+    for name, _, _ in variants:
         cells = []
         for batch in args.batch_list:
             median = statistics.median(rates[(name, batch)])

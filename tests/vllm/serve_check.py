@@ -100,7 +100,9 @@ if __name__ == "__main__":
         options[args[0]], args = args[1], args[2:]
     dtype, kv_cache_dtype, eager = options["--dtype"], options["--kv-cache-dtype"], options["--enforce-eager"] == "1"
     if args[0] == "--capacity":  # the same engine, nothing served: {"kv_capacity_tokens": N} on the last line
-        llm = engine(args[1], 316, kv_cache_dtype=kv_cache_dtype, dtype=dtype)
+        # 316 tokens (the prompts' engine), or the model's own maximum where smaller (the tiny models' 256)
+        limit = json.loads(open(os.path.join(args[1], "config.json")).read()).get("max_position_embeddings") or 316
+        llm = engine(args[1], min(316, limit), kv_cache_dtype=kv_cache_dtype, dtype=dtype)
         print(json.dumps({"kv_capacity_tokens": kv_capacity(llm.llm_engine)}), flush=True)
         exit_cleanly(llm)
     else:

@@ -5,7 +5,8 @@
   caching (hits counted) and 16 concurrent sequences; on a tiny checkpoint of each family (shared layers, a chain, FASC
   linears, a dropped attention, low-rank keys: `key_ranks`, the root of a shared layer among them) and, in the slow tier, on SmolLM2-135M with 8 shared layers.
 - KV cache: a shared layer caches its low-rank keys and V (the "lowrank" layout, reading the root's K from the root's
-  cache); SmolLM2 converted holds more tokens than the original in the same VLLM_CPU_KVCACHE_SPACE, as vLLM computes
+  cache); a layer with low-rank keys caches its key latent and V (the "latent" layout; as a root it hands the shared
+  layers its rebuilt keys), and holds more tokens than with its keys cached at full width; SmolLM2 converted holds more tokens than the original in the same VLLM_CPU_KVCACHE_SPACE, as vLLM computes
   them. The concatenated-feature layouts (grouped, own; HFCOMPRESS_VLLM_KV=concat, where the root's cache is not
   readable) stay exact.
 - fp8 KV cache (`kv_cache_dtype` fp8 / fp8_e5m2): the lowrank layout reads the root's fp8 keys where vLLM's CPU backend
@@ -57,9 +58,10 @@ def served(models: Path, name: str) -> dict:
     return check(models, name)
 
 
-def capacity(model_dir: Path) -> int:
-    """vLLM's KV capacity (tokens) of the model in `model_dir` with serve_check.py's engine (max_model_len 316)."""
-    proc = serve([str(HERE / "serve_check.py"), "--capacity", str(model_dir)])
+def capacity(model_dir: Path, kv_cache_dtype: str = "auto", env: dict[str, str] | None = None) -> int:
+    """vLLM's KV capacity (tokens) of the model in `model_dir` with serve_check.py's engine (max_model_len 316, or the
+    model's own maximum where smaller)."""
+    proc = serve([str(HERE / "serve_check.py"), "--kv-cache-dtype", kv_cache_dtype, "--capacity", str(model_dir)], env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return next(json.loads(l) for l in proc.stdout.splitlines() if l.startswith('{"kv_capacity_tokens"'))["kv_capacity_tokens"]
 
@@ -70,13 +72,22 @@ def assert_exact(result: dict) -> None:
     assert result["cached_prompt_tokens"] > 0  # the second call's repeated prompts and shared prefixes hit the cache
 
 
+def converted_layers(model_dir: Path) -> tuple[list[str], list[str]]:
+    """The shared layers and the layers with low-rank keys of a converted model (its config.json)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    return sorted(config["lisa_layers"]), sorted(config.get("key_ranks") or {})
+
+
 @pytest.mark.parametrize("name", TINY)
 def test_tiny_family_is_exact(vllm_models, name):
     result = check(vllm_models, name)
     assert_exact(result)
-    # every shared layer (llama-own's head matching crosses KV groups) caches its low-rank keys and V
-    shared = [v for v in result["kv_layout"].values() if v not in ("plain", "dropped")]
-    assert shared and all(v.startswith("lowrank") for v in shared), result["kv_layout"]
+    # every shared layer (llama-own's head matching crosses KV groups) caches its low-rank keys and V; every layer with
+    # low-rank keys its key latent and V (a root hands the shared layers above its rebuilt keys)
+    shared, latent = converted_layers(vllm_models / name)
+    layout = result["kv_layout"]
+    assert shared and all(layout[i].startswith("lowrank") for i in shared), layout
+    assert latent and all(layout[i].startswith("latent") for i in latent), layout
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3"])
@@ -111,6 +122,21 @@ def fp8_supported() -> bool:
 
 
 needs_fp8 = pytest.mark.skipif(not fp8_supported(), reason="vLLM's CPU backend has fp8 KV caches on x86 with AVX-512 only")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", pytest.param("fp8", marks=needs_fp8)])
+def test_key_latents_are_cached_and_hold_more_tokens(vllm_models, kv_cache_dtype):
+    """A layer with low-rank keys caches its key latent (KV x ceil(r / KV) values a token) and V: vLLM fits more tokens
+    than with the rebuilt keys cached at full width (HFCOMPRESS_VLLM_KEYS=full), by the ratio of the per-token cache
+    sizes (llama-wide, head_dim 32, unpadded: its root 0 has a latent of rank 48, its shared layers 1-2 cache low-rank
+    keys 2 x 8 and V, layer 3 none: 2 x (24 + 32) + 2 x 2 x (8 + 32) = 272 values a token against 2 x 64 + 160 = 288)."""
+    build_references(vllm_models, ["llama-wide"])
+    model = vllm_models / "llama-wide"
+    config = json.loads((model / "config.json").read_text())
+    assert config["key_ranks"] == {"0": 48}
+    latent = capacity(model, kv_cache_dtype)
+    full = capacity(model, kv_cache_dtype, env={"HFCOMPRESS_VLLM_KEYS": "full"})
+    assert latent / full == pytest.approx(288 / 272, rel=0.01), (latent, full)
 
 
 def written_and_read(isa: str, dtype: torch.dtype, kv_cache_dtype: str, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,26 +207,27 @@ def test_root_keys_are_read_where_the_amx_backend_writes_them(kv_cache_dtype):
 
 
 # how much further off than the original's the converted model's log-probs may be (mean, max |delta|): measured with
-# fp8 0.91x / 1.26x, with fp8_e5m2 1.57x / 1.43x (the root's K, rounded toward zero by the CPU backend, is read by
-# three layers of the converted model; its shared layers' own keys and V add their rounding)
+# fp8 0.72x / 1.03x, with fp8_e5m2 1.45x / 1.07x (the root's keys, rebuilt from its fp8 key latent, are read by three
+# layers of the converted model; its shared layers' own keys and V add their rounding; before the root had a key
+# latent: 0.91x / 1.26x and 1.57x / 1.43x)
 FP8_BOUNDS = {"fp8": (1.5, 2.0), "fp8_e5m2": (2.0, 2.0)}
 
 
 @needs_fp8
 @pytest.mark.parametrize("kv_cache_dtype", sorted(FP8_BOUNDS))
 def test_fp8_kv_cache_is_as_close_as_the_originals_and_holds_more(vllm_models, kv_cache_dtype):
-    """A converted Llama (head_dim 32, a chain of shared layers in the lowrank layout, a dropped attention) served with
-    an fp8 KV cache against the remote code's fp32 reference, and its original served by stock vLLM with the same cache
-    against transformers' fp32 reference: the converted model's log-probs are about as close (FP8_BOUNDS), its greedy
-    tokens near as often equal (tiny random models have near-tied logits: 25 vs 28 of 40 with fp8, 19 vs 19 with
+    """A converted Llama (head_dim 32, a chain of shared layers in the lowrank layout on a root with a key latent, a
+    dropped attention) served with an fp8 KV cache against the remote code's fp32 reference, and its original served by
+    stock vLLM with the same cache against transformers' fp32 reference: the converted model's log-probs are about as close (FP8_BOUNDS), its greedy
+    tokens near as often equal (tiny random models have near-tied logits: 32 vs 28 of 40 with fp8, 22 vs 19 with
     e5m2), and vLLM fits more of its tokens in the same cache space than the original's, 4x its own fp32 capacity
     (served exact in fp32)."""
     converted = check(vllm_models, "llama-wide", kv_cache_dtype=kv_cache_dtype)
     original = check(vllm_models, "llama-wide-original", kv_cache_dtype=kv_cache_dtype)
     fp32 = served(vllm_models, "llama-wide")
     assert_exact(fp32)
-    shared = [v for v in converted["kv_layout"].values() if v not in ("plain", "dropped")]
-    assert len(shared) == 2 and all(v.startswith("lowrank") for v in shared), converted["kv_layout"]
+    layout = converted["kv_layout"]
+    assert all(layout[i].startswith("lowrank") for i in ("1", "2")) and layout["0"].startswith("latent"), layout
     mean_bound, max_bound = FP8_BOUNDS[kv_cache_dtype]
     assert converted["mean_abs_delta_logprob"] <= mean_bound * original["mean_abs_delta_logprob"]
     assert converted["max_abs_delta_logprob"] <= max_bound * original["max_abs_delta_logprob"]
@@ -214,12 +241,12 @@ def test_bf16_is_as_close_as_the_originals(vllm_models):
     """bf16 (the model's dtype and its KV cache): a converted Llama (head_dim 32, a chain of two shared layers, a dropped
     attention) served with the plugin against the remote code's fp32 reference, and its original served by stock
     vLLM's Llama at bf16 against transformers' fp32 reference, on the same prompts: the converted model's log-probs are
-    about as close (mean |delta| <= 1.5x the original's, max <= 2x; measured 1.08x / 1.35x: 0.0021 / 0.0084 vs
-    0.0019 / 0.0062), its greedy tokens near as often equal (tiny random models have near-tied logits: 32 vs 34 of
-    40). Where vLLM's CPU backend picks a bf16 ISA whose cache lowrank.py reads ("vec", or "amx" on CPUs with AMX
+    about as close (mean |delta| <= 1.5x the original's, max <= 2x; measured 1.05x / 1.22x: 0.0020 / 0.0076 vs
+    0.0019 / 0.0062, the root with a key latent), its greedy tokens near as often equal (tiny random models have
+    near-tied logits: 34 vs 34 of 40). Where vLLM's CPU backend picks a bf16 ISA whose cache lowrank.py reads ("vec", or "amx" on CPUs with AMX
     tiles) the shared layers serve in the lowrank layout (elsewhere the concatenated-feature one, grouped here), and
     the converted model fits
-    more tokens in the same cache space than the original (1.78x: 288 vs 512 cached features a token)."""
+    more tokens in the same cache space than the original (1.88x: 272 vs 512 cached features a token)."""
     from hfcompress_vllm.lowrank import root_cache_readable
 
     converted = check(vllm_models, "llama-wide", dtype="bfloat16")

@@ -29,7 +29,9 @@ ISA packs them (`ROOT_LAYOUTS`): "vec" / "vec16" (fp32, fp16, bf16 without AMX) 
 [block_size / 16, head size / 2, 16, 2]. The same with an fp8 KV cache (`kv_cache_dtype` fp8 / fp8_e4m3 / fp8_e5m2:
 bytes of e4m3fn / e5m2, the value divided by the layer's k / v scale). There a shared layer's own cache holds fp8 bytes
 too (quantized with its own layer's scales on write), and every part is dequantized (times its layer's scale) as it is
-read. GPU backends have their own layouts: there the model falls back to the concatenated-feature layouts
+read. A root with a key latent (latent.py) caches the latent, not its keys: it hands the step's rebuilt, rotated keys
+(`step_keys`: a scratch cache in the "vec" layout with its own block table), read in place of its cache. GPU backends
+have their own layouts: there the model falls back to the concatenated-feature layouts
 (model.plan_layers); the layer also checks, on its first call, that the root's attention runs an ISA whose layout it
 reads.
 """
@@ -455,8 +457,9 @@ def lisa_attention(below: torch.Tensor, source: torch.Tensor, scale: torch.Tenso
 
     if not layer.checked:
         for part in layer.parts:
-            if part.kind == "root":
-                isa = getattr(context.no_compile_layers[part.layer_name], "isa", None)
+            root = context.no_compile_layers[part.layer_name]
+            if part.kind == "root" and not getattr(root, "hands_keys", False):  # a key-latent root hands its keys
+                isa = getattr(root, "isa", None)
                 if isa not in ROOT_LAYOUTS:
                     raise UnservableModel(
                         f"{layer_name}: the layer below runs vLLM's CPU attention with ISA {isa!r}, whose cache layout "
@@ -467,7 +470,13 @@ def lisa_attention(below: torch.Tensor, source: torch.Tensor, scale: torch.Tenso
     sources = []  # per part: (the layer whose cache holds it, metadata whose block table addresses that cache)
     for part in layer.parts:
         source_meta = metadata[part.layer_name] if isinstance(metadata, dict) else metadata
-        sources.append((context.no_compile_layers[part.layer_name], source_meta))
+        holder = context.no_compile_layers[part.layer_name]
+        handed = getattr(holder, "step_keys", None) if part.kind == "root" else None
+        if handed is None and part.kind == "root" and getattr(holder, "hands_keys", False):
+            raise RuntimeError(f"{layer_name}: its root {part.layer_name} handed no keys this step")
+        # a key-latent root (latent.py) caches no keys: it hands this step's rebuilt keys in a "vec" layout of their
+        # own, with their own block table
+        sources.append((handed, handed) if handed is not None else (holder, source_meta))
     query = SharedQuery(below, source, scale, own)
     if lisa_kernel():
         why_not = kernel_attention(layer, sources, query, output, meta, n)

@@ -43,6 +43,13 @@ with an own cache per shared layer ([root key | low-rank keys] and V at one padd
 when the group's heads read one key, else one per query head): exact, but more cache than the original
 (`LisaModel.kv_layout` says which layout each layer got; vLLM reports the capacity).
 
+A layer with low-rank keys (config `key_ranks`: its keys pass through a key latent z = B k, rebuilt as RoPE(A z)) caches
+what the remote code caches, the latent (r values a token, spread over the KV heads) and V ("latent" layout, latent.py:
+the keys rebuilt from the paged latent at every step); as the root of shared layers in the lowrank layout it hands them
+its rebuilt keys of the step where they would read its cache. As the root of a concatenated-feature group (grouped /
+own), with HFCOMPRESS_VLLM_KEYS=full, or off vLLM's CPU platform, it caches its rebuilt keys at full width instead
+(exact, without the saving).
+
 A dropped-attention layer (config `dropped_attention_layers`) has no attention and no cache: the MLP part alone.
 """
 
@@ -167,7 +174,8 @@ class LayerPlan:
     key_heads: int = 0
     source: list[int] = field(default_factory=list)
     root: int | None = None  # a group's root layer (grouped layout)
-    layout: str = "plain"  # plain (a full layer's own d-wide cache), lowrank, grouped, own
+    layout: str = "plain"  # plain (a full layer's own d-wide cache), latent, lowrank, grouped, own
+    key_rank: int = 0  # a full layer's key latent width r (config `key_ranks`), 0: none
     # grouped: the group's layers in order, the head size P, this layer's key / value slot offsets
     members: list[int] = field(default_factory=list)
     head_size: int = 0
@@ -185,21 +193,24 @@ class LayerPlan:
     parts: list[tuple[int, list[int], int, int]] = field(default_factory=list)
 
 
-def plan_layers(config, lowrank: bool = False) -> list[LayerPlan]:
+def plan_layers(config, lowrank: bool = False, latent: bool = False) -> list[LayerPlan]:
     """The cache plan of every layer, from config.json alone (a shared layer's spec states its `source`: configs.py
     refuses one that does not); `lowrank`: the shared layers cache their low-rank keys and V and read the root's K from
-    its cache (lowrank.py; where the root's cache layout is readable), else the concatenated-feature layouts."""
+    its cache (lowrank.py; where the root's cache layout is readable), else the concatenated-feature layouts;
+    `latent`: a layer with low-rank keys caches its key latent and V (latent.py), unless it is the root of shared
+    layers in a concatenated-feature layout (those put its keys in the group's cache: full-width keys there)."""
     heads, kv = config.num_attention_heads, config.num_key_value_heads
     d, g = head_dim(config), config.num_attention_heads // config.num_key_value_heads
     types = config.attention_types
     dropped = set(config.dropped_attention_layers)
+    key_ranks = {int(k): int(v) for k, v in (getattr(config, "key_ranks", None) or {}).items()}
     plans = []
     for idx in range(config.num_hidden_layers):
         spec = config.lisa_layers.get(str(idx))
         if idx in dropped:
             plans.append(LayerPlan(idx, "dropped", types[idx]))
         elif spec is None:
-            plans.append(LayerPlan(idx, "full", types[idx], width=d))
+            plans.append(LayerPlan(idx, "full", types[idx], width=d, key_rank=key_ranks.get(idx, 0)))
         else:
             rank, kh = int(spec["rank"]), int(spec.get("key_heads", heads))
             plans.append(LayerPlan(idx, "shared", types[idx], rank, kh, [int(h) for h in spec["source"]]))
@@ -216,6 +227,10 @@ def plan_layers(config, lowrank: bool = False) -> list[LayerPlan]:
             chain.append(plans[chain[-1].idx + 1])
         plan_chain(chain, heads, kv, d, g, lowrank)
         idx = chain[-1].idx + 1
+    for plan in plans:
+        if latent and plan.key_rank and plan.layout == "plain" and plan.above in ("", "lowrank"):
+            # the latent spread over the KV heads (the cache spec's key head size), zero-padded
+            plan.layout, plan.cache_heads, plan.head_size = "latent", kv, -(-plan.key_rank // kv)
     return plans
 
 
@@ -289,8 +304,9 @@ def plan_chain(chain: list[LayerPlan], heads: int, kv: int, d: int, g: int, lowr
 
 
 def describe(plans: list[LayerPlan]) -> dict[int, str]:
-    """Layer -> how its attention is cached: plain, grouped (root L: one cache for a root and its shared layers), own
-    (a shared layer's own, wider cache), dropped (none)."""
+    """Layer -> how its attention is cached: plain, latent (a layer with low-rank keys: its key latent and V), lowrank
+    (a shared layer's low-rank keys and V), grouped (root L: one cache for a root and its shared layers), own (a
+    shared layer's own, wider cache), dropped (none)."""
     out = {}
     for plan in plans:
         if plan.kind == "dropped":
@@ -301,6 +317,12 @@ def describe(plans: list[LayerPlan]) -> dict[int, str]:
             out[plan.idx] = f"own ({plan.cache_heads} heads x {plan.head_size})"
         elif plan.layout == "lowrank":
             out[plan.idx] = f"lowrank (root {plan.root}, keys {plan.key_heads} x {plan.rank}, values {plan.cache_heads} x {plan.head_size})"
+        elif plan.layout == "latent":
+            keys = f"rank {plan.key_rank}: {plan.cache_heads} x {plan.head_size}"
+            handed = " (handed to the shared layers above)" if plan.hands_off else ""
+            out[plan.idx] = f"latent (keys {keys}{handed}, values {plan.cache_heads} x {plan.width})"
+        elif plan.key_rank:
+            out[plan.idx] = f"plain (key latent {plan.key_rank} rebuilt to full-width keys)"
         else:
             out[plan.idx] = "plain"
     return out
@@ -320,11 +342,21 @@ def lowrank_layout(config, dtype: torch.dtype, block_size: int | None, kv_cache_
     return choice == "lowrank" and root_cache_readable(dtype, block_size, head_size, kv_cache_dtype)
 
 
+def latent_layout() -> bool:
+    """Whether layers with low-rank keys cache their key latent (latent.py): on vLLM's CPU platform (where it is
+    tested; elsewhere they cache their rebuilt keys at full width), unless HFCOMPRESS_VLLM_KEYS=full asks for the
+    full-width keys (the comparison of what the latent saves)."""
+    choice = os.environ.get("HFCOMPRESS_VLLM_KEYS", "latent")
+    if choice not in ("latent", "full"):
+        raise UnservableModel(f"HFCOMPRESS_VLLM_KEYS={choice!r}: use latent (the default) or full.")
+    return choice == "latent" and current_platform.is_cpu()
+
+
 def served_plans(vllm_config: VllmConfig) -> list[LayerPlan]:
     """Each layer's plan as the engine of `vllm_config` serves it: the cache layout its model dtype, block size and KV
     cache dtype allow."""
     config, model, cache = vllm_config.model_config.hf_config, vllm_config.model_config, vllm_config.cache_config
-    return plan_layers(config, lowrank_layout(config, model.dtype, cache.block_size, cache.cache_dtype))
+    return plan_layers(config, lowrank_layout(config, model.dtype, cache.block_size, cache.cache_dtype), latent_layout())
 
 
 def kv_layout(vllm_config: VllmConfig) -> dict[int, str]:
@@ -391,14 +423,23 @@ class FullAttention(nn.Module):
             self.q_norm = NORMS[family.norm](d, eps=config.rms_norm_eps)
             self.k_norm = NORMS[family.norm](d, eps=config.rms_norm_eps)
         self.qk_norm = family.qk_norm
-        # low-rank keys (`key_ranks`): keys through the latent, A (B k), before RoPE, as the remote code rebuilds them;
-        # the paged cache holds the rebuilt keys (no latent cache here yet: exact, without the KV saving)
-        rank = (getattr(config, "key_ranks", None) or {}).get(str(plan.idx))
-        self.key_latent = FascLinear(self.kv_size, self.kv_size, int(rank), False, f"{prefix}.key_latent") if rank else None
+        # low-rank keys (`key_ranks`): keys through the latent, A (B k), before RoPE, as the remote code rebuilds them.
+        # The latent layout caches z = B k and V and rebuilds the keys at every step (latent.py); elsewhere (the root
+        # of a concatenated-feature group, HFCOMPRESS_VLLM_KEYS=full, GPU platforms) the cache holds the rebuilt keys
+        rank = plan.key_rank
+        self.key_latent = FascLinear(self.kv_size, self.kv_size, rank, False, f"{prefix}.key_latent") if rank else None
         self.rotary_emb = get_rope(d, max_position=config.max_position_embeddings,
                                    rope_parameters=rope_parameters(config, plan.attention_type), is_neox_style=True)
         window = window_of(config, plan.attention_type)
-        if plan.layout == "grouped":  # the group's cache: head size P, pre-scaled queries
+        if plan.layout == "latent":
+            from .latent import LatentCacheAttention
+
+            self.attn = LatentCacheAttention(
+                num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=d, rank=rank, scale=self.scaling,
+                rotary=self.rotary_emb, key_up=self.key_latent.proj_out, cache_config=cache_config, sliding_window=window,
+                prefix=f"{prefix}.attn", hands_keys=plan.hands_off,
+            )  # fmt: skip
+        elif plan.layout == "grouped":  # the group's cache: head size P, pre-scaled queries
             self.attn = Attention(self.num_heads, plan.head_size, 1.0, num_kv_heads=self.num_kv_heads, cache_config=cache_config,
                                   per_layer_sliding_window=window, prefix=f"{prefix}.attn")
         else:  # a head size the backend takes (the CPU backend has no 16 or 24: tiny test models are padded)
@@ -415,6 +456,12 @@ class FullAttention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q.reshape(t, self.num_heads, d)).reshape(t, -1)
             k = self.k_norm(k.reshape(t, self.num_kv_heads, d)).reshape(t, -1)
+        if self.plan.layout == "latent":
+            q, _ = self.rotary_emb(positions, q, None)
+            out = self.attn.attend(q, run(self.key_latent.proj_in, k), v, self.rotary_emb.cos_sin_cache)
+            # the shared layers above (lowrank layout) read the keys this layer hands them (latent.HandedKeys)
+            handoff = Handoff(q.reshape(t, self.num_heads, d) * self.scaling, None, None, None) if self.plan.hands_off else None
+            return run(self.o_proj, out), handoff
         if self.key_latent is not None:
             k = run(self.key_latent, k)
         q, k = self.rotary_emb(positions, q, k)

@@ -155,6 +155,7 @@ def test_interrupted_run_resumes_at_the_next_layer(tiny, streamed, tmp_path, mon
     assert max_difference(weights(options.out), weights(reference_out)) < 1e-6
 
 
+@pytest.mark.slow  # two processes of torch.distributed: 17 s, the fast tier's longest
 def test_two_gloo_processes_equal_one(tiny, streamed, tmp_path):
     reference_out, reference, _ = streamed
     command = [

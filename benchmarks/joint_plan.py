@@ -15,7 +15,6 @@ surrogate ranks actions like the loss.
 
 import argparse
 import json
-import math
 import sys
 import time
 from contextlib import ExitStack, contextmanager
@@ -23,14 +22,14 @@ from pathlib import Path
 
 import torch
 
-from hfcompress.conversion.calibrate import cache_key, load_or_compute, tensor_fingerprint
-from hfcompress.conversion.config import ConvertOptions
+from key_compression import model_and_key_statistics, spearman  # benchmarks/, beside this script
+
+from hfcompress.conversion.calibrate import load_or_compute, tensor_fingerprint
 from hfcompress.evidence.validate import perplexity
-from hfcompress.keys import KeySubspace, key_statistics, plan_sizes, projected_keys
+from hfcompress.keys import KeySubspace, plan_sizes, projected_keys
 from hfcompress.keys.joint import Option, plan_layers
 from hfcompress.keys.options import MIN_KEY_RANK
-from hfcompress.sources.source import BUILTIN_SOURCE, load_source, resolve_source, source_identity
-from hfcompress.sources.token_streams import token_streams
+from hfcompress.sources.source import BUILTIN_SOURCE
 
 
 @contextmanager
@@ -77,11 +76,6 @@ def layer_inputs_and_gradients(model, windows: torch.Tensor):
     return [s.detach() for s in states], grads, tuple(t.detach() for t in cos_sin)
 
 
-def spearman(a: list[float], b: list[float]) -> float:
-    rank = lambda xs: torch.tensor(xs).argsort().argsort().double()
-    return float(torch.corrcoef(torch.stack([rank(a), rank(b)]))[0, 1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--source", default=BUILTIN_SOURCE)
@@ -96,12 +90,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    options = ConvertOptions(source=args.source, out=Path("."), calib_sequences=args.calib_sequences, seq_len=256)
-    source = resolve_source(options.source, options.revision, None, options.trust_remote_code)
-    model, tokenizer = load_source(source)
-    streams = token_streams(options, tokenizer)
-    cache = options.cache_dir / "benchmarks" / cache_key(source_identity(source), tensor_fingerprint(streams.sequences))
-    stats = load_or_compute(cache / "key_statistics-v2.pt", lambda: key_statistics(model, streams.sequences, gradients=True))
+    options, model, streams, stats, cache = model_and_key_statistics(args.source, args.calib_sequences)
     config, layers = model.config, model.model.layers
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     width = layers[0].self_attn.k_proj.out_features

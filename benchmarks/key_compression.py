@@ -33,6 +33,21 @@ def spearman(a: list[float], b: list[float]) -> float:
     return float(torch.corrcoef(torch.stack([ra, rb]))[0, 1])
 
 
+def model_and_key_statistics(source_name: str, calib_sequences: int):
+    """(options, transformers' model, its token streams, its per-layer KeyStatistics with gradients, the benchmark cache
+    directory of this source and calibration text): the statistics on `calib_sequences` x 256 calibration tokens of
+    the conversion's default text, cached."""
+    options = ConvertOptions(source=source_name, out=Path("."), calib_sequences=calib_sequences, seq_len=256)
+    source = resolve_source(options.source, options.revision, None, options.trust_remote_code)
+    model, tokenizer = load_source(source)
+    streams = token_streams(options, tokenizer)
+    cache = options.cache_dir / "benchmarks" / cache_key(source_identity(source), tensor_fingerprint(streams.sequences))
+    start = time.perf_counter()
+    stats = load_or_compute(cache / "key_statistics-v2.pt", lambda: key_statistics(model, streams.sequences, gradients=True))
+    print(f"key statistics: {time.perf_counter() - start:.0f} s ({streams.sequences.numel():,} tokens of {streams.calib_name})")
+    return options, model, streams, stats, cache
+
+
 def check_surrogate(model, stats, weights, head_dim: int, width: int, streams, context: int, out: Path | None) -> None:
     """Does the Fisher surrogate rank layers as the loss does? Per layer alone: its keys on `width` Fisher directions,
     the selection tokens' mean loss change against the original's, beside the surrogate tr(G (I-P) C (I-P)^T)."""
@@ -80,14 +95,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    options = ConvertOptions(source=args.source, out=Path("."), calib_sequences=args.calib_sequences, seq_len=256)
-    source = resolve_source(options.source, options.revision, None, options.trust_remote_code)
-    model, tokenizer = load_source(source)
-    streams = token_streams(options, tokenizer)
-    cache = options.cache_dir / "benchmarks" / cache_key(source_identity(source), tensor_fingerprint(streams.sequences))
-    start = time.perf_counter()
-    stats = load_or_compute(cache / "key_statistics-v2.pt", lambda: key_statistics(model, streams.sequences, gradients=True))
-    print(f"key statistics: {time.perf_counter() - start:.0f} s ({streams.sequences.numel():,} tokens of {streams.calib_name})")
+    options, model, streams, stats, _ = model_and_key_statistics(args.source, args.calib_sequences)
 
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

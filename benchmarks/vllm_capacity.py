@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+from vllm_throughput import answer, real_text_ids, results_header  # benchmarks/, beside this script
+
 WORKER = "--worker"
 
 
@@ -50,9 +52,7 @@ def worker(model: str, dtype: str, kv_cache_dtype: str, max_len: int, max_seqs: 
         from hfcompress_vllm.model import kv_layout
 
         layout = {str(k): v for k, v in kv_layout(llm.llm_engine.vllm_config).items()}
-    from pydoc_data.topics import topics
-
-    text_ids = llm.get_tokenizer()(" ".join(topics[k] for k in sorted(topics)), add_special_tokens=False).input_ids
+    text_ids = real_text_ids(llm.get_tokenizer())
     print(json.dumps({"kv_capacity_tokens": int(config.num_gpu_blocks * config.block_size), "kv_layout": layout}), flush=True)
     for line in sys.stdin:
         batch, length, new_tokens, seed = (int(v) for v in line.split())
@@ -74,15 +74,6 @@ def start(directory: str, args, kv_cache_dtype: str, env: dict) -> subprocess.Po
          str(int(not args.compile))],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
-
-
-def answer(proc: subprocess.Popen) -> dict:
-    while True:
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the engine process {proc.args[3]} exited (rc {proc.poll()}): see its stderr above")
-        if line.startswith("{"):
-            return json.loads(line)
 
 
 def close(proc: subprocess.Popen) -> None:
@@ -159,16 +150,8 @@ def write_results(args, models, variants, dtypes, capacity, layouts, rates, load
     import vllm
 
     base = next(iter(models))
-    command = "OMP_NUM_THREADS={} .venv-vllm/bin/python benchmarks/vllm_capacity.py {}".format(
-        os.environ.get("OMP_NUM_THREADS", "unset"), " ".join(sys.argv[1:])
-    )
     lines = [
-        "# vLLM KV capacity and decode speed: original vs converted (key latents cached)",
-        "",
-        "Regenerate with:",
-        "",
-        f"    {command}",
-        "",
+        *results_header("vLLM KV capacity and decode speed: original vs converted (key latents cached)"),
         f"vLLM {vllm.__version__}, model dtype {args.dtype}, VLLM_CPU_KVCACHE_SPACE={args.kv_space} GiB, block size 32, "
         f"{'compiled' if args.compile else 'eager'}; threads: OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, "
         f"VLLM_CPU_OMP_THREADS_BIND={os.environ.get('VLLM_CPU_OMP_THREADS_BIND', 'unset (vLLM: auto)')}; "

@@ -76,12 +76,21 @@ def real_text_ids(tokenizer) -> list[int]:
 
 
 def answer(proc: subprocess.Popen) -> dict:
+    """The next JSON line an engine worker (started as [python, script, WORKER, model directory, ...]) prints."""
     while True:
         line = proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"the engine process {proc.args[-1]} exited (rc {proc.poll()}): see its stderr above")
+            raise RuntimeError(f"the engine process {proc.args[3]} exited (rc {proc.poll()}): see its stderr above")
         if line.startswith("{"):
             return json.loads(line)
+
+
+def results_header(title: str) -> list[str]:
+    """A results file's first lines: its title and the command that regenerates it (this process's)."""
+    command = "OMP_NUM_THREADS={} .venv-vllm/bin/python benchmarks/{} {}".format(
+        os.environ.get("OMP_NUM_THREADS", "unset"), Path(sys.argv[0]).name, " ".join(sys.argv[1:])
+    )
+    return [f"# {title}", "", "Regenerate with:", "", f"    {command}", ""]
 
 
 def main() -> None:
@@ -137,18 +146,10 @@ def main() -> None:
 
 def write_results(args, models: dict, info: dict, rates: dict, lengths: list[int], loads: dict) -> None:
     base = next(iter(models))
-    command = "OMP_NUM_THREADS={} .venv-vllm/bin/python benchmarks/vllm_throughput.py {}".format(
-        os.environ.get("OMP_NUM_THREADS", "unset"), " ".join(sys.argv[1:])
-    )
     import vllm
 
     lines = [
-        "# vLLM throughput and KV capacity: original vs converted",
-        "",
-        "Regenerate with:",
-        "",
-        f"    {command}",
-        "",
+        *results_header("vLLM throughput and KV capacity: original vs converted"),
         f"vLLM {vllm.__version__}, dtype {args.dtype}, KV cache dtype {args.kv_cache_dtype}, "
         f"VLLM_CPU_KVCACHE_SPACE={args.kv_space} GiB, {args.concurrency} concurrent "
         f"sequences, {args.new_tokens} new tokens each, {args.repeats} interleaved repeats (medians), prefix caching off, "

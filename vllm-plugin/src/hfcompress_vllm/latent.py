@@ -40,7 +40,7 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 from vllm.utils.torch_utils import direct_register_custom_op
 
-from .lowrank import FP8_FORMATS, LowRankBackend, dequantize, quantize
+from .lowrank import FP8_FORMATS, LowRankBackend, attend_by_request, dequantize, quantize
 
 ROWS = 128  # a prefill's query rows scored at once (bounds the score tensor: H x ROWS x keys)
 
@@ -230,24 +230,12 @@ def torch_attention(layer, meta, query: torch.Tensor, cos_sin: torch.Tensor, out
         for r, (first, count) in enumerate(zip(handed_start, counts)):
             table[r, :count] = torch.arange(first, first + count, dtype=torch.int32)
         handed = HandedKeys(scratch, table.to(query.device))
-    decodes = []
-    for r, (start, stop) in enumerate(zip(meta.query_start[:-1], meta.query_start[1:])):
-        stop = min(stop, n)
-        if stop <= start:
-            continue
-        if stop - start == 1:
-            decodes.append((r, start))
-            continue
-        q = query[start:stop].transpose(0, 1).unsqueeze(0)  # (1, H, Q, d)
-        starts = [handed_start[r]] if handed is not None else None
-        output[start:stop] = attend(layer, q, [r], [meta.seq_lens[r]], meta.block_table, cos_sin, handed, starts)[0]
-    if decodes:
-        rows = torch.tensor([start for _, start in decodes], device=query.device)
-        q = query.index_select(0, rows).unsqueeze(2)  # (R, H, 1, d)
-        requests = [r for r, _ in decodes]
+
+    def attend_requests(q: torch.Tensor, requests: list[int]) -> torch.Tensor:
         starts = [handed_start[r] for r in requests] if handed is not None else None
-        out = attend(layer, q, requests, [meta.seq_lens[r] for r in requests], meta.block_table, cos_sin, handed, starts)
-        output.index_copy_(0, rows, out[:, 0])
+        return attend(layer, q, requests, [meta.seq_lens[r] for r in requests], meta.block_table, cos_sin, handed, starts)
+
+    attend_by_request(query, output, meta, n, attend_requests)
     layer.step_keys = handed
 
 

@@ -490,7 +490,14 @@ def lisa_attention(below: torch.Tensor, source: torch.Tensor, scale: torch.Tenso
 def torch_attention(layer: "LowRankCacheAttention", sources: list, query: torch.Tensor, output: torch.Tensor,
                     meta: LowRankMetadata, n: int) -> None:  # fmt: skip
     """`kernel_attention` in torch (`attend`, over the concatenated features): the reference and the fallback."""
-    decodes = []  # one query token each: attended together; a prefill (chunk) alone
+    attend_by_request(query, output, meta, n, lambda q, requests: attend(layer, sources, q, requests, [meta.seq_lens[r] for r in requests]))
+
+
+def attend_by_request(query: torch.Tensor, output: torch.Tensor, meta: LowRankMetadata, n: int, attend_requests) -> None:
+    """Into `output` (tokens, H, d), the attention of each request of `meta` over its query rows (query_start; the
+    first `n` rows are real): a prefill (chunk) alone, the decodes (one row each) together. `attend_requests(q,
+    requests)`: q (R, H, Q, width) of those requests -> their outputs (R, Q, H, d)."""
+    decodes = []
     for r, (start, stop) in enumerate(zip(meta.query_start[:-1], meta.query_start[1:])):
         stop = min(stop, n)
         if stop <= start:
@@ -498,12 +505,10 @@ def torch_attention(layer: "LowRankCacheAttention", sources: list, query: torch.
         if stop - start == 1:
             decodes.append((r, start))
             continue
-        q = query[start:stop].transpose(0, 1).unsqueeze(0)  # (1, H, Q, width)
-        output[start:stop] = attend(layer, sources, q, [r], [meta.seq_lens[r]])[0]
+        output[start:stop] = attend_requests(query[start:stop].transpose(0, 1).unsqueeze(0), [r])[0]  # q (1, H, Q, width)
     if decodes:
         rows = torch.tensor([start for _, start in decodes], device=query.device)
-        q = query.index_select(0, rows).unsqueeze(2)  # (R, H, 1, width)
-        out = attend(layer, sources, q, [r for r, _ in decodes], [meta.seq_lens[r] for r, _ in decodes])
+        out = attend_requests(query.index_select(0, rows).unsqueeze(2), [r for r, _ in decodes])  # q (R, H, 1, width)
         output.index_copy_(0, rows, out[:, 0])
 
 

@@ -70,16 +70,16 @@ def joint_widths(width: int) -> list[int]:
     return sorted({MIN_KEY_RANK, *steps} - {width})
 
 
-def action_costs(ctx: LayerContext, sub: KeySubspace, widths: list[int]) -> dict[str, float]:
+def action_costs(
+    ctx: LayerContext, sub: KeySubspace, widths: list[int], hidden: torch.Tensor, grad: torch.Tensor
+) -> dict[str, float]:  # fmt: skip
     """Per action on layer `ctx.index` alone (its attention dropped: "drop"; its keys on n Fisher directions: "n"), the
-    loss change it causes, estimated from what it does to the layer's output on the calibration inputs, Δ, and the
-    loss gradient there, g (of the summed loss): per token the first-order change g.Δ plus the Gauss-Newton term of
-    the token's empirical Fisher, (g.Δ)^2 / 2, summed over the tokens and divided by their count (mean nats a token).
+    loss change it causes, estimated from what it does to the layer's output on the calibration inputs `hidden`, Δ, and
+    the loss gradient there, `grad` (g, of the summed loss): per token the first-order change g.Δ plus the Gauss-Newton
+    term of the token's empirical Fisher, (g.Δ)^2 / 2, summed over the tokens and divided by their count (mean nats a
+    token).
     Unlike the keys' own surrogate it sees the softmax, the output projection and the MLP after them, and prices a
     dropped attention in the same units (benchmarks/joint_plan.py compares both with the loss itself)."""
-    hidden, grad = ctx.hidden_input(), ctx.output_gradient()  # collectives: every process calls them
-    if not ctx.is_main:
-        return {}
     layer, attention = ctx.layer, ctx.layer.self_attn
     tokens = hidden.shape[0] * hidden.shape[1]
     fasc_linear = import_remote("lisa_attention").FascLinear
@@ -149,14 +149,15 @@ class KeysMethod(Method):
         entry = stats[f"{ctx.index}.self_attn.keys"]
         path = self.store / f"keys-{ctx.index}.pt"
         G = (entry.gg / entry.tokens).cpu()
-        costs = {}
-        if self.options.plan == "joint":
-            saved = torch.load(path)
-            sub = KeySubspace(KeyStatistics(C=saved["C"], q2=torch.zeros(0), G=G), None, CRITERION, LAYOUT, ctx.layer.self_attn.head_dim)
-            costs = action_costs(ctx, sub, joint_widths(sub.width))
+        if self.options.plan == "joint":  # collectives: every process takes part
+            hidden, grad = ctx.hidden_input(), ctx.output_gradient()
         if not ctx.is_main:
             return
-        saved = torch.load(path)
+        saved, costs = torch.load(path), {}
+        if self.options.plan == "joint":
+            stats = KeyStatistics(C=saved["C"], q2=torch.zeros(0), G=G)
+            sub = KeySubspace(stats, None, CRITERION, LAYOUT, ctx.layer.self_attn.head_dim)
+            costs = action_costs(ctx, sub, joint_widths(sub.width), hidden, grad)
         save_atomic({**saved, "G": G, "costs": costs}, path)
 
     def plan(self, planner: Planner) -> None:
@@ -195,7 +196,8 @@ class KeysMethod(Method):
         self.ranks, self.factors, self.rows = {}, {}, []
         for idx in kept:
             if idx in self.dropped:
-                self.rows.append({"layer": idx, "action": "drop", "rank": 0, "width": width, "estimated_loss": estimates[idx]})
+                row = {"layer": idx, "action": "drop", "rank": 0, "width": width, "estimated_loss": estimates[idx]}
+                self.rows.append(row)
                 continue
             size, sub = sizes[idx], subspaces[idx]
             row = {"layer": idx, "action": "keys" if size < width else "keep", "rank": size, "width": width,

@@ -68,7 +68,7 @@ CHECKED_OPTIONS = {
     "--lisa-steps": "1: >= 0",
     "--lisa-batch-size": "1: >= 1",
     "--fasc-budget": "1: in (0, 1]",
-    "--kv-budget": "1: in (0.5, 1], (0, 1] with --kv-plan joint; 5: every layer keeps its values and 8 key values a token",
+    "--kv-budget": "1: in (0.5, 1], (0, 1] with --kv-plan joint; 5: every layer (joint: layer 0) keeps its values and 8 key values a token",
     "--kv-plan": "1: keys or joint",
     "--fasc-method": "1: fisher, whiten, svd or pca",
     "--fasc-targets": "1: linears FASC can factorise",

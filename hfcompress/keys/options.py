@@ -41,14 +41,17 @@ class KeyOptions:
 
     def check_against_model(self, config) -> None:
         """The budget must leave every layer its values and MIN_KEY_RANK key values a token (a converted config: what
-        sharing or dropping would save besides is not planned yet)."""
-        if self.kv_budget == 1.0 or self.plan == "joint":  # joint: dropped attentions free any budget above 0
+        sharing or dropping would save besides is not planned yet); the joint plan, which may drop every attention but
+        layer 0's, must leave layer 0 that much."""
+        if self.kv_budget == 1.0:
             return
         width, layers = key_width(config), config.num_hidden_layers
-        least = layers * (width + MIN_KEY_RANK)
+        keeping = 1 if self.plan == "joint" else layers
+        least = keeping * (width + MIN_KEY_RANK)
         if self.kv_budget * 2 * width * layers < least:
+            who = "layer 0 (whose attention the joint plan keeps)" if self.plan == "joint" else "every layer"
             raise HfcompressError(
-                f"--kv-budget {self.kv_budget} is below what low-rank keys can reach on this model: every layer keeps "
+                f"--kv-budget {self.kv_budget} is below what low-rank keys can reach on this model: {who} keeps "
                 f"its {width} values and at least {MIN_KEY_RANK} key values a token, {least / (2 * width * layers):.3f} "
                 "of the original's cache; give a larger --kv-budget."
             )

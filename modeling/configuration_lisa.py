@@ -9,13 +9,13 @@ it lives here because this file ships with every converted model, which may impo
 
 A family config is `@strict class LisaXxxConfig(LisaConfigMixin, XxxConfig)` with `model_type` its table entry's
 `converted_model_type`, declaring the conversion specs as fields (`lisa_layers`, `fasc_ranks`, `key_ranks`,
-`dropped_attention_layers`) and calling `normalise_specs()` first in its `__post_init__`; the mixin gives it
+`value_ranks`, `dropped_attention_layers`) and calling `normalise_specs()` first in its `__post_init__`; the mixin gives it
 `attention_types` (each layer's attention type as its family names it), `projection_biases` and `embedding_scale`
 from the table.
 
 Cache layer types: a LISA layer caches low-rank keys (H heads x r) and values (KV heads), and a layer with low-rank
-keys (`key_ranks`) its key latent (one head of width r) and its values, which transformers' own cache layers cannot
-allocate; their type is the attention type with the "lisa_" prefix ("lisa_attention" for full attention,
+keys (`key_ranks`) its key latent (one head of width r) and its values, and a layer with low-rank values (`value_ranks`)
+its value latent (one head), which transformers' own cache layers cannot allocate; their type is the attention type with the "lisa_" prefix ("lisa_attention" for full attention,
 "lisa_sliding_attention" for a sliding window), and `lisa_attention.py` registers the cache layers of those names.
 A layer whose attention is dropped caches nothing: "dropped_attention" / "dropped_sliding_attention", transformers'
 DummyLayer (the attention type stays readable from the name, for the families that keep only `layer_types`).
@@ -195,6 +195,11 @@ class LisaConfigMixin:
         (`proj_out`, width x r), rotated at their positions in the cache (the queries of such a layer too, so only
         position differences count, as in every RoPE attention). A layer can have low-rank keys or be a LISA layer,
         not both, and a layer whose attention is dropped has none.
+    value_ranks (`dict[str, int]`, *optional*):
+        Layer index (as a string) -> width r of that layer's value latent. Its values (all KV heads side by side) pass
+        through `value_latent`: `z = B v` (`proj_in`) is what the cache holds (one head of width r), and the values the
+        attention reads are `A z` (`proj_out`). Values carry no RoPE, so any cached token's are rebuilt alike. Not on
+        a LISA layer nor a dropped one; independent of `key_ranks`.
     dropped_attention_layers (`list[int]`, *optional*):
         Layers whose attention sub-block is removed (no q/k/v/o weights, no cache): the layer is its MLP part on the
         residual stream alone. Layer 0 keeps its attention, and so does the anchor of a LISA layer.
@@ -231,20 +236,21 @@ class LisaConfigMixin:
         self.lisa_layers = {str(k): dict(v) for k, v in (self.lisa_layers or {}).items()}
         self.fasc_ranks = {str(k): int(v) for k, v in (self.fasc_ranks or {}).items()}
         self.key_ranks = {str(k): int(v) for k, v in (self.key_ranks or {}).items()}
+        self.value_ranks = {str(k): int(v) for k, v in (self.value_ranks or {}).items()}
         self.dropped_attention_layers = sorted({int(i) for i in self.dropped_attention_layers or []})
 
     def cache_layer_types(self) -> list[str]:
         """Per layer, the type its cache layer is built from (see the module docstring)."""
         dropped = set(self.dropped_attention_layers)
         return [
-            DROPPED_CACHE_TYPES[t] if i in dropped else LISA_CACHE_TYPES[t] if self.caches_own_key_layout(i) else t
+            DROPPED_CACHE_TYPES[t] if i in dropped else LISA_CACHE_TYPES[t] if self.caches_own_layout(i) else t
             for i, t in enumerate(self.attention_types)
         ]
 
-    def caches_own_key_layout(self, idx: int) -> bool:
-        """Whether layer idx caches keys of another shape than its values (a LISA layer's low-rank keys, a key
-        latent)."""
-        return str(idx) in self.lisa_layers or str(idx) in self.key_ranks
+    def caches_own_layout(self, idx: int) -> bool:
+        """Whether layer idx caches keys or values of another shape than the family's (a LISA layer's low-rank keys, a
+        key or value latent)."""
+        return str(idx) in self.lisa_layers or str(idx) in self.key_ranks or str(idx) in self.value_ranks
 
     def validate_layer_type(self):
         """One attention type per layer, of those this modeling implements (the library's list of layer types does not
@@ -292,6 +298,16 @@ class LisaConfigMixin:
                 raise ValueError(f"layer {idx} is both a LISA layer and a low-rank key layer: it can be only one.")
             if idx in self.dropped_attention_layers:
                 raise ValueError(f"layer {idx} has low-rank keys and its attention dropped: it can be only one.")
+        for key, rank in self.value_ranks.items():
+            idx = int(key)
+            if not 0 <= idx < self.num_hidden_layers:
+                raise ValueError(f"low-rank value layer {idx} must be in 0..{self.num_hidden_layers - 1}.")
+            if not 0 < rank <= width:
+                raise ValueError(f"low-rank value layer {idx}: its rank must be in 1..{width} (KV heads x head_dim), got {rank}.")
+            if key in self.lisa_layers:
+                raise ValueError(f"layer {idx} is both a LISA layer and a low-rank value layer: it can be only one.")
+            if idx in self.dropped_attention_layers:
+                raise ValueError(f"layer {idx} has low-rank values and its attention dropped: it can be only one.")
         for idx in self.dropped_attention_layers:
             if not 0 < idx < self.num_hidden_layers:
                 raise ValueError(f"dropped attention layer {idx} must be in 1..{self.num_hidden_layers - 1}.")

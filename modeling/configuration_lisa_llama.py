@@ -22,6 +22,7 @@ class LisaLlamaConfig(LisaConfigMixin, LlamaConfig):
     lisa_layers: dict | None = None
     fasc_ranks: dict | None = None
     key_ranks: dict | None = None
+    value_ranks: dict | None = None
     dropped_attention_layers: list | None = None
 
     def __post_init__(self, **kwargs):

@@ -25,6 +25,7 @@ class LisaQwen2Config(LisaConfigMixin, Qwen2Config):
     lisa_layers: dict | None = None
     fasc_ranks: dict | None = None
     key_ranks: dict | None = None
+    value_ranks: dict | None = None
     dropped_attention_layers: list | None = None
     head_dim: int | None = None
 

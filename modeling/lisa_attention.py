@@ -188,7 +188,7 @@ from transformers.cache_utils import Fp8QuantizedLayer, HQQQuantizedLayer, Quant
 
 class LisaQuantizedLayerMixin:
     """The LISA half of a group-wise quantized cache layer (keys (B, Hk, T, r) grouped along T, values (B, KV, T, d) as
-    the backend's layer groups them); `key_group_axis` is the backend's axis whose groups are contiguous in memory."""
+    the backend's layer groups them, a value latent (B, 1, T, r) along T where r is not a multiple of the group); `key_group_axis` is the backend's axis whose groups are contiguous in memory."""
 
     key_group_axis: int
 
@@ -199,12 +199,18 @@ class LisaQuantizedLayerMixin:
     def quantize_chunk(self, keys: torch.Tensor, values: torch.Tensor) -> list:
         # (B, Hk, n, r) -> (B, Hk, r, n), n a multiple of the group: each group is q_group_size tokens of one channel
         q_keys = self._quantize(keys.transpose(-1, -2).contiguous(), axis=self.key_group_axis) if keys.shape[-1] else None
-        return [q_keys, self._quantize(values.contiguous(), axis=self.axis_value), None, keys.shape]
+        # a value latent whose width the groups do not fill is grouped along the tokens too
+        by_token = values.shape[-1] % self.q_group_size != 0
+        if by_token:
+            q_values = self._quantize(values.transpose(-1, -2).contiguous(), axis=self.key_group_axis)
+        else:
+            q_values = self._quantize(values.contiguous(), axis=self.axis_value)
+        return [q_keys, q_values, None, keys.shape, by_token]
 
     def dequantize_chunk(self, chunk: list) -> tuple[torch.Tensor, torch.Tensor]:
-        q_keys, q_values, beam_idx, key_shape = chunk
+        q_keys, q_values, beam_idx, key_shape, by_token = chunk
         keys = self._dequantize(q_keys).transpose(-1, -2) if q_keys is not None else self.keys.new_zeros(key_shape)
-        values = self._dequantize(q_values)
+        values = self._dequantize(q_values).transpose(-1, -2) if by_token else self._dequantize(q_values)
         if beam_idx is not None:
             keys, values = keys.index_select(0, beam_idx), values.index_select(0, beam_idx)
         return keys, values
@@ -504,6 +510,9 @@ class LisaAttention(nn.Module):
         key_rank = config.key_ranks.get(str(layer_idx))
         width = kv_heads * self.head_dim
         self.key_latent = FascLinear(width, width, key_rank) if key_rank else None
+        # low-rank values (`config.value_ranks`): the cache holds z = B v (proj_in), the attention reads A z (proj_out)
+        value_rank = config.value_ranks.get(str(layer_idx))
+        self.value_latent = FascLinear(width, width, value_rank) if value_rank else None
         self.attention_weights = LisaAttentionWeights()
 
     def qk_norm(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -557,13 +566,19 @@ class LisaAttention(nn.Module):
         `attention_mask` the backend's; both of this layer's attention type. `key_rotary`: RoPE at given positions, for
         a layer with low-rank keys."""
         input_shape = hidden_states.shape[:-1]
-        value = self.v_proj(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)
+        if self.value_latent is not None:  # (B, 1, T, r): what the cache holds
+            value = self.value_latent.proj_in(self.v_proj(hidden_states)).unsqueeze(1)
+        else:
+            value = self.v_proj(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)
         if self.key_latent is not None:
             query, key, value = self.latent_query_key_value(hidden_states, value, cache, key_rotary)
         else:
             query, key = self.query_key(hidden_states, position_embeddings)
             if cache is not None:
                 key, value = cache.update(key, value, self.layer_idx)
+        if self.value_latent is not None:  # every cached token's values, rebuilt: (B, KV, Tk, D)
+            value = self.value_latent.proj_out(value.squeeze(1))
+            value = value.view(*value.shape[:-1], -1, self.head_dim).transpose(1, 2)
 
         q_len, kv_len = query.shape[2], key.shape[2]
         if handoff == "scores" or (handoff and q_len == 1) or output_attentions:
@@ -991,6 +1006,8 @@ class LisaModel(LisaPreTrainedModel):
         # the attention types whose layers materialise scores (a LISA layer and its anchor share one)
         self.lisa_types = {self.attention_types[int(idx)] for idx in config.lisa_layers}
         self.key_types = {self.attention_types[int(idx)] for idx in config.key_ranks}  # with low-rank key layers
+        # with a cache layer of their own layout (a LISA layer, a key or a value latent)
+        self.own_layout_types = {self.attention_types[idx] for idx in range(config.num_hidden_layers) if config.caches_own_layout(idx)}
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -1018,7 +1035,7 @@ class LisaModel(LisaPreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
-        if cache is not None and "sliding_attention" in self.lisa_types | self.key_types:
+        if cache is not None and "sliding_attention" in self.own_layout_types:
             bind_sliding_windows(cache, self.config.sliding_window)
         batch, q_len = inputs_embeds.shape[:2]
         if position_ids is None:

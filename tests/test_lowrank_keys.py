@@ -225,7 +225,7 @@ def test_a_kv_budget_below_what_the_keys_can_reach_is_refused_before_calibration
 
     args = ["convert", str(checkpoints["qwen2"]), "--out", str(tmp_path / "o"), *FAST, "--kv-budget", "0.51"]
     result = CliRunner().invoke(app, args, env={"HFCOMPRESS_CACHE": str(tmp_path / "cache")})
-    assert result.exit_code == 2 and "below what low-rank keys can reach" in result.output, result.output
+    assert result.exit_code == 2 and "below what --kv-plan keys can reach" in result.output, result.output
     assert "calibrate" not in result.output and not (tmp_path / "o").exists()
     # the joint plan keeps layer 0's attention: a budget below its values and 8 key values is refused as early
     joint = [*args[:-1], "0.1", "--kv-plan", "joint"]  # Qwen2's 4 tiny layers: layer 0 alone needs 0.156

@@ -313,6 +313,8 @@ def render_card(report: dict, repo_id: str) -> ModelCard:
     fasc_layers = [r for r in fasc["layers"] if r.get("rank") is not None]
     keys = report.get("keys") or {"layers": []}
     key_layers = [row for row in keys["layers"] if row.get("action", "keys") == "keys" and row["rank"] < row["width"]]
+    value_layers = [row for row in keys["layers"] if row.get("value_rank", row["width"]) < row["width"]]
+    latent_layers = [row for row in keys["layers"] if row in key_layers or row in value_layers]
     calibration_dataset = report.get("calibration", {}).get("dataset")  # one Hub dataset split: the card links it
     # every Hub dataset the calibration text read (a mixture's Hub domains too); reports before the list have the one
     calibration_datasets = report.get("calibration", {}).get("datasets") or ([calibration_dataset] if calibration_dataset else [])
@@ -331,7 +333,7 @@ def render_card(report: dict, repo_id: str) -> ModelCard:
         library_name="transformers",
         pipeline_tag="text-generation",
         tags=["hfcompress", *(["lisa"] if lisa["layers"] else []), *(["fasc"] if fasc_layers else []),
-              *(["low-rank-keys"] if key_layers else []),
+              *(["low-rank-keys"] if key_layers else []), *(["low-rank-values"] if value_layers else []),
               *(["distillation"] if distill else []), "custom_code", family.name],
         model_name=repo_id if eval_results else None,  # the model-index's name; without one it would be a YAML key
         eval_results=eval_results or None,
@@ -369,7 +371,9 @@ def render_card(report: dict, repo_id: str) -> ModelCard:
         fasc_layers=fasc_layers,
         keys=keys,
         key_layers=key_layers,
-        key_width=key_layers[0]["width"] if key_layers else None,
+        value_layers=value_layers,
+        latent_layers=latent_layers,
+        key_width=latent_layers[0]["width"] if latent_layers else None,
         fasc_targeted=len(fasc["layers"]),
         fasc_method=fasc.get("method"),
         fasc_budget=fasc.get("budget"),

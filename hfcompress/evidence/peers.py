@@ -64,16 +64,18 @@ def head_dim(config) -> int:
 
 def kv_values_per_token(config) -> int:
     """KV cache values a token a model of `config` keeps (a converted config: shared layers low-rank K and V, low-rank
-    key layers their key latent and V, dropped layers none; a transformers config: K and V of every layer)."""
+    key or value layers their latents (and the other whole), dropped layers none; a transformers config: K and V of every layer)."""
     lisa = getattr(config, "lisa_layers", None) or {}
     key_ranks = getattr(config, "key_ranks", None) or {}
+    value_ranks = getattr(config, "value_ranks", None) or {}
     dropped = set(getattr(config, "dropped_attention_layers", None) or [])
     total = 0
     for idx in range(config.num_hidden_layers):
         spec = lisa.get(str(idx), {})
         values = kv_values(config, int(spec.get("rank", 0)), int(spec.get("key_heads", config.num_attention_heads)), head_dim(config))
-        if str(idx) in key_ranks:
-            total += values["keep"] // 2 + int(key_ranks[str(idx)])
+        if str(idx) in key_ranks or str(idx) in value_ranks:
+            width = values["keep"] // 2
+            total += int(key_ranks.get(str(idx), width)) + int(value_ranks.get(str(idx), width))
         else:
             total += values["drop" if idx in dropped else "share" if spec else "keep"]
     return total

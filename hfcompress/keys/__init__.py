@@ -12,10 +12,10 @@ benchmarks/key_compression.py measures the layouts and criteria.
 
 from .method import KeysMethod
 from .options import KeyOptions
-from .statistics import KeyStatistics, key_module, key_statistics, projected_keys
+from .statistics import KeyStatistics, key_module, key_statistics, projected_keys, projected_values
 from .subspace import CRITERIA, LAYOUTS, KeySubspace, plan_sizes, rope_planes
 
 __all__ = [
     "CRITERIA", "LAYOUTS", "KeyOptions", "KeyStatistics", "KeySubspace", "KeysMethod", "key_module", "key_statistics",
-    "plan_sizes", "projected_keys", "rope_planes",
+    "plan_sizes", "projected_keys", "projected_values", "rope_planes",
 ]  # fmt: skip

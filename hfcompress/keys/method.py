@@ -7,6 +7,10 @@ its keys, z = B k, and its queries read RoPE(A z) (the remote code's `key_ranks`
                        attentions) are spread over the layers by the Fisher surrogate (subspace.plan_sizes)
     apply              key_latent.proj_in = B, proj_out = A: the Fisher-aligned directions (subspace.KeySubspace)
 
+With `--kv-plan keys-values` the values of every layer get a latent too (z = B v cached, A z read; no RoPE, so nothing is
+rotated): C and G of v_proj's output are observed alike, and one budget is spent over the keys' and the values'
+directions by the same surrogate (plan_sizes over both; their losses are in the same units).
+
 With `--kv-plan joint` the backward pass also measures, per layer, what each action does to the layer's output on the
 calibration inputs (its keys on twelfths of their width in Fisher directions, or its attention dropped), weighted by
 the loss gradient there (`action_costs`), and the plan chooses one action per layer under the budget (joint.py).
@@ -113,8 +117,10 @@ class KeysMethod(Method):
     def __init__(self, options: KeyOptions) -> None:
         self.options = options
         self.ranks: dict[int, int] = {}
+        self.value_ranks: dict[int, int] = {}
         self.dropped: list[int] = []  # the joint plan's dropped attentions
         self.factors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.value_factors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.rows: list[dict] = []
         self.values: dict[str, int] = {}
 
@@ -129,21 +135,29 @@ class KeysMethod(Method):
         return {**asdict(self.options), "criterion": CRITERION, "layout": LAYOUT}
 
     def calibration_settings(self) -> dict:
-        # C and G depend on the model and the calibration text only; the joint plan measures its actions besides
-        return {"plan": "joint"} if self.options.plan == "joint" else {}
+        # C and G depend on the model and the calibration text only; the joint plan measures its actions besides, the
+        # keys-values plan the values' statistics
+        return {"plan": self.options.plan} if self.options.plan != "keys" else {}
 
     def observe(self, ctx: LayerContext) -> None:
         if not ctx.is_main:
             return
+        attention = ctx.layer.self_attn
         with torch.no_grad():
-            keys = pre_rope_keys(ctx.layer.self_attn, ctx.attention_input()).double().cpu()
-        save_atomic({"C": keys.T @ keys / len(keys)}, self.store / f"keys-{ctx.index}.pt")
+            x = ctx.attention_input()
+            keys = pre_rope_keys(attention, x).double().cpu()
+            saved = {"C": keys.T @ keys / len(keys)}
+            if self.options.plan == "keys-values":
+                values = attention.v_proj(x).reshape(-1, attention.v_proj.out_features).double().cpu()
+                saved["Cv"] = values.T @ values / len(values)
+        save_atomic(saved, self.store / f"keys-{ctx.index}.pt")
 
     def gradient_linears(self, ctx: LayerContext) -> dict[str, nn.Module]:
         attention = ctx.layer.self_attn
         norm = getattr(attention, "k_norm", None)
         module = attention.k_proj if norm is None else KeyOutput(norm, key_width(attention.config))
-        return {f"{ctx.index}.self_attn.keys": module}
+        values = {f"{ctx.index}.self_attn.v_proj": attention.v_proj} if self.options.plan == "keys-values" else {}
+        return {f"{ctx.index}.self_attn.keys": module, **values}
 
     def observe_gradients(self, ctx: LayerContext, stats: dict[str, LinearStats]) -> None:
         entry = stats[f"{ctx.index}.self_attn.keys"]
@@ -154,6 +168,9 @@ class KeysMethod(Method):
         if not ctx.is_main:
             return
         saved, costs = torch.load(path), {}
+        if self.options.plan == "keys-values":
+            values = stats[f"{ctx.index}.self_attn.v_proj"]
+            saved["Gv"] = (values.gg / values.tokens).cpu()
         if self.options.plan == "joint":
             stats = KeyStatistics(C=saved["C"], q2=torch.zeros(0), G=G)
             sub = KeySubspace(stats, None, CRITERION, LAYOUT, ctx.layer.self_attn.head_dim)
@@ -163,7 +180,8 @@ class KeysMethod(Method):
     def plan(self, planner: Planner) -> None:
         """Per layer that keeps its attention, its latent width: the budget's values, less what every layer's values and
         the other methods' layers keep, spread where the Fisher surrogate says the loss is (--kv-plan keys); or one
-        action per layer, keep, a latent width or drop, of least estimated loss within the budget (--kv-plan joint)."""
+        action per layer, keep, a latent width or drop, of least estimated loss within the budget (--kv-plan joint); or
+        keys' and values' widths from one budget by the surrogate (--kv-plan keys-values)."""
         config = planner.config
         width, layers = key_width(config), planner.num_layers
         dropped = set(planner.notes.get("dropped_attention_layers", []))
@@ -176,6 +194,11 @@ class KeysMethod(Method):
             for idx, s in saved.items()
         }  # fmt: skip
         estimates: dict[int, float] = {}
+        value_sizes: dict[int, int] = {}
+        value_subspaces = {
+            idx: KeySubspace(KeyStatistics(C=s["Cv"], q2=torch.zeros(0), G=s["Gv"]), None, CRITERION, LAYOUT, config.head_dim)
+            for idx, s in saved.items() if self.options.plan == "keys-values"
+        }  # fmt: skip
         if self.options.plan == "joint":
             chosen = self.joint_plan({idx: s["costs"] for idx, s in saved.items()}, shared, budget, width)
             self.dropped = sorted(idx for idx, option in chosen.items() if option.action == "drop")
@@ -183,6 +206,17 @@ class KeysMethod(Method):
             estimates = {idx: max(option.cost, 0.0) for idx, option in chosen.items()}
             # FASC (planned next) leaves a dropped attention's linears alone
             planner.notes["dropped_attention_layers"] = sorted({*dropped, *self.dropped})
+        elif self.options.plan == "keys-values":
+            for_both = int(budget - sum(shared.values()))
+            if for_both < 2 * MIN_KEY_RANK * len(kept):
+                raise HfcompressError(
+                    f"--kv-budget {self.options.kv_budget} leaves {max(for_both, 0)} key and value values a token for "
+                    f"the {len(kept)} layers that keep their attention, fewer than {MIN_KEY_RANK} of each: give a "
+                    "larger --kv-budget."
+                )  # fmt: skip
+            self.dropped = []
+            both = plan_sizes([*(subspaces[i] for i in kept), *(value_subspaces[i] for i in kept)], for_both, floor=MIN_KEY_RANK)
+            sizes, value_sizes = dict(zip(kept, both[: len(kept)])), dict(zip(kept, both[len(kept) :]))
         else:
             for_keys = int(budget - sum(shared.values()) - width * len(kept))
             if for_keys < MIN_KEY_RANK * len(kept):
@@ -194,19 +228,26 @@ class KeysMethod(Method):
             self.dropped = []
             sizes = dict(zip(kept, plan_sizes([subspaces[idx] for idx in kept], for_keys, floor=MIN_KEY_RANK)))
         self.ranks, self.factors, self.rows = {}, {}, []
+        self.value_ranks, self.value_factors = {}, {}
         for idx in kept:
             if idx in self.dropped:
                 row = {"layer": idx, "action": "drop", "rank": 0, "width": width, "estimated_loss": estimates[idx]}
                 self.rows.append(row)
                 continue
             size, sub = sizes[idx], subspaces[idx]
-            row = {"layer": idx, "action": "keys" if size < width else "keep", "rank": size, "width": width,
-                   "surrogate_loss": sub.cost(size)}  # fmt: skip
+            value_size = value_sizes.get(idx, width)
+            action = "keys" if size < width else "keep"
+            row = {"layer": idx, "action": action, "rank": size, "width": width, "surrogate_loss": sub.cost(size)}
+            if idx in value_subspaces:
+                row.update(value_rank=value_size, value_surrogate_loss=value_subspaces[idx].cost(value_size))
             self.rows.append({**row, "estimated_loss": estimates[idx]} if idx in estimates else row)
             if size < width:
                 self.ranks[idx] = size
                 self.factors[idx] = latent_factors(sub, size)
-        cached = sum(sizes.values()) + width * len(sizes) + sum(shared.values())
+            if value_size < width:
+                self.value_ranks[idx] = value_size
+                self.value_factors[idx] = latent_factors(value_subspaces[idx], value_size)
+        cached = sum(sizes.values()) + sum(value_sizes.get(idx, width) for idx in sizes) + sum(shared.values())
         self.values = {"original": kv_values(config, 0, 0)["keep"] * layers, "converted": cached}
 
     def joint_plan(self, costs: dict[int, dict], shared: dict[int, int], budget: float, width: int) -> dict[int, Option]:
@@ -233,23 +274,31 @@ class KeysMethod(Method):
     def apply(self, ctx: LayerContext, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if ctx.index in self.dropped:
             return without_attention(state, ctx.layer)
-        if ctx.index not in self.factors:
-            return state
-        down, up = self.factors[ctx.index]
-        prefix = f"model.layers.{ctx.index}.self_attn.key_latent."
-        return {**state, prefix + "proj_in.weight": down, prefix + "proj_out.weight": up}
+        state = dict(state)
+        for kind, factors in (("key", self.factors), ("value", self.value_factors)):
+            if ctx.index in factors:
+                down, up = factors[ctx.index]
+                prefix = f"model.layers.{ctx.index}.self_attn.{kind}_latent."
+                state.update({prefix + "proj_in.weight": down, prefix + "proj_out.weight": up})
+        return state
 
     def changed_layers(self) -> dict[str, list[int]]:
-        return {"low-rank keys": sorted(self.ranks), "attention dropped (KV plan)": self.dropped}
+        return {
+            "low-rank keys": sorted(self.ranks), "low-rank values": sorted(self.value_ranks),
+            "attention dropped (KV plan)": self.dropped,
+        }  # fmt: skip
 
     def with_fewer_changes(self, options, count: int):
         """The key saving scaled by count / changed layers: a --kv-budget closer to 1 (the plan then narrows the keys
         of about as many layers, each less)."""
-        budget = round(1.0 - (1.0 - self.options.kv_budget) * count / (len(self.ranks) + len(self.dropped)), 4)
+        changed = len(self.ranks) + len(self.value_ranks) + len(self.dropped)  # as the back-off counts them
+        budget = round(1.0 - (1.0 - self.options.kv_budget) * count / changed, 4)
         return replace(options, keys=replace(options.keys, kv_budget=budget)), f"--kv-budget {budget:g}"
 
     def config_entries(self) -> dict:
         entries = {"key_ranks": {str(idx): rank for idx, rank in self.ranks.items()}} if self.ranks else {}
+        if self.value_ranks:
+            entries["value_ranks"] = {str(idx): rank for idx, rank in self.value_ranks.items()}
         return {**entries, "dropped_attention_layers": self.dropped} if self.dropped else entries
 
     def report(self) -> dict:

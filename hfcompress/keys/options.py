@@ -1,4 +1,5 @@
-"""Low-rank keys' options (`--kv-budget`): the whole model's KV cache as a fraction of the original's."""
+"""Low-rank keys' options (`--kv-budget`, `--kv-plan`): the whole model's KV cache as a fraction of the original's, and
+how it is spent."""
 
 from dataclasses import dataclass
 
@@ -7,7 +8,9 @@ from ..conversion.options import option
 
 # the narrowest latent a layer keeps: below it single layers' losses grow fast (benchmarks/results-key-compression*.md)
 MIN_KEY_RANK = 8
-KV_PLANS = ("keys", "joint")
+KV_PLANS = ("keys", "keys-values", "joint")
+# the plans that can go below half the cache (dropping attention, or narrowing the values too)
+BELOW_HALF = ("keys-values", "joint")
 
 
 @dataclass
@@ -21,21 +24,24 @@ class KeyOptions:
     )  # fmt: skip
 
     # how the budget is spent: "keys" narrows the keys of every layer by the Fisher surrogate of the keys alone;
-    # "joint" chooses per layer among keep, low-rank keys (twelve widths, method.joint_widths) and dropping
-    # the attention, by each action's measured effect on the layer's output, weighted by the loss gradient (joint.py)
+    # "keys-values" the keys and the values of every layer, one budget over both by the same surrogate (at 0.6x on
+    # SmolLM2, training-free: +12% against +21% for keys alone, benchmarks/results-value-compression.md); "joint"
+    # chooses per layer among keep, low-rank keys (twelve widths, method.joint_widths) and dropping the attention, by
+    # each action's measured effect on the layer's output, weighted by the loss gradient (joint.py)
     plan: str = option(
-        "keys", "How --kv-budget is spent: keys (every layer's keys narrowed) or joint (per layer: keep, low-rank keys "
-        "or drop the attention, whichever costs least by measured effect).", "--kv-plan",
+        "keys", "How --kv-budget is spent: keys (every layer's keys narrowed), keys-values (keys and values narrowed, "
+        "for budgets near 0.6 and below) or joint (per layer: keep, low-rank keys or drop the attention, whichever "
+        "costs least by measured effect).", "--kv-plan",
     )  # fmt: skip
 
     def validate(self) -> "KeyOptions":
         if self.plan not in KV_PLANS:
             raise HfcompressError(f"Unknown --kv-plan '{self.plan}': choose one of {', '.join(KV_PLANS)}.")
-        if not 0.5 < self.kv_budget <= 1.0 and not (self.plan == "joint" and 0.0 < self.kv_budget <= 1.0):
+        if not 0.5 < self.kv_budget <= 1.0 and not (self.plan in BELOW_HALF and 0.0 < self.kv_budget <= 1.0):
             raise HfcompressError(
                 f"--kv-budget must be in (0.5, 1.0] (the values cache a token relative to the original's; the keys are "
-                f"half of them, and compressing only them cannot go to 0.5; --kv-plan joint, which also drops "
-                f"attention, takes (0, 1.0]), got {self.kv_budget}."
+                f"half of them, and compressing only them cannot go to 0.5; --kv-plan keys-values, which narrows the "
+                f"values too, and joint, which also drops attention, take (0, 1.0]), got {self.kv_budget}."
             )
         return self
 
@@ -47,12 +53,14 @@ class KeyOptions:
             return
         width, layers = key_width(config), config.num_hidden_layers
         keeping = 1 if self.plan == "joint" else layers
-        least = keeping * (width + MIN_KEY_RANK)
+        values = MIN_KEY_RANK if self.plan == "keys-values" else width
+        least = keeping * (values + MIN_KEY_RANK)
         if self.kv_budget * 2 * width * layers < least:
             who = "layer 0 (whose attention the joint plan keeps)" if self.plan == "joint" else "every layer"
+            kept = f"at least {MIN_KEY_RANK} values" if self.plan == "keys-values" else f"its {width} values"
             raise HfcompressError(
-                f"--kv-budget {self.kv_budget} is below what low-rank keys can reach on this model: {who} keeps "
-                f"its {width} values and at least {MIN_KEY_RANK} key values a token, {least / (2 * width * layers):.3f} "
+                f"--kv-budget {self.kv_budget} is below what --kv-plan {self.plan} can reach on this model: {who} keeps "
+                f"{kept} and at least {MIN_KEY_RANK} key values a token, {least / (2 * width * layers):.3f} "
                 "of the original's cache; give a larger --kv-budget."
             )
 

@@ -138,3 +138,23 @@ def projected_keys(model: nn.Module, projectors: dict[int, torch.Tensor]) -> Ite
     finally:
         for handle in handles:
             handle.remove()
+
+
+@contextmanager
+def projected_values(model: nn.Module, projectors: dict[int, torch.Tensor]) -> Iterator[None]:
+    """Inside, layer l's values (v_proj's output, all KV heads side by side) are v -> P_l v (`projectors`: layer index ->
+    (width, width)): what a cached value latent gives, in transformers' own classes."""
+
+    def project(matrix: torch.Tensor):
+        def hook(module, inputs, output):
+            return output @ matrix.to(output.device, output.dtype).T
+
+        return hook
+
+    layers = model.model.layers
+    handles = [layers[l].self_attn.v_proj.register_forward_hook(project(p)) for l, p in projectors.items()]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

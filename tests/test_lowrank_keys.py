@@ -261,10 +261,11 @@ def test_back_off_raises_the_kv_budget_by_the_overshoot():
 
 
 @pytest.mark.slow
-def test_the_joint_kv_plan_drops_attention_and_narrows_keys_within_the_budget(checkpoints, tmp_path):
-    """`--kv-plan joint --kv-budget 0.45`: below what keys alone reach (every layer keeps V, half the cache), so the plan
-    drops attention in some layers and narrows keys in others, by the measured estimates it reports; the written
-    model's config states both, caches at most 0.45x, and reloads in a fresh process with the streamed logits."""
+def test_the_joint_kv_plan_drops_attention_and_keeps_the_best_candidate(checkpoints, tmp_path):
+    """`--kv-plan joint --kv-budget 0.45`: below what keys alone reach (every layer keeps V, half the cache), so the
+    joint plan drops attention in some layers and narrows keys in others, by its measured estimates; it and the
+    keys-values plan (keys alone cannot reach 0.45) are scored on the selection tokens and the better one is written:
+    its config states it, caches at most 0.45x, and reloads in a fresh process with the streamed logits."""
     import json
 
     from test_families import FAST
@@ -280,17 +281,23 @@ def test_the_joint_kv_plan_drops_attention_and_narrows_keys_within_the_budget(ch
     assert result.exit_code == 0, result.output
     config = json.loads((out / "config.json").read_text())
     report = json.loads((out / "hfcompress_report.json").read_text())
-    dropped = config["dropped_attention_layers"]
-    assert dropped and not set(map(int, config.get("key_ranks", {}))) & set(dropped)
     keys = report["keys"]
-    assert keys["plan"] == "joint" and keys["dropped_attention_layers"] == dropped
-    assert {row["action"] for row in keys["layers"]} >= {"drop"}
-    assert all("estimated_loss" in row for row in keys["layers"])
+    candidates = {row["plan"]: row for row in keys["candidates"]}
+    assert set(candidates) == {"joint", "keys-values"} and candidates["joint"]["dropped_attention_layers"]
+    best = min(candidates.values(), key=lambda row: row["selection_perplexity"])
+    dropped = config.get("dropped_attention_layers", [])
+    assert keys["plan"] == "joint" and dropped == best["dropped_attention_layers"] == keys["dropped_attention_layers"]
+    if best["plan"] == "joint":
+        assert {row["action"] for row in keys["layers"]} >= {"drop"} and not config.get("value_ranks")
+        assert all("estimated_loss" in row for row in keys["layers"])
+    else:
+        assert config["value_ranks"] and not dropped
+    assert not set(map(int, config.get("key_ranks", {}))) & set(dropped)
     values = keys["kv_values_per_token"]
     assert values["converted"] <= 0.45 * values["original"]
     assert report["validation"]["reload"]["max_abs_logit_diff"] <= 1e-4
     card = (out / "README.md").read_text()
-    assert "### Dropped attention" in card and "--kv-plan joint" in card
+    assert ("### Dropped attention" in card and "--kv-plan joint" in card) or "low-rank values in" in card
 
 
 def test_a_kv_budget_for_the_joint_plan_only_is_refused_for_keys_alone(tmp_path):
@@ -300,6 +307,6 @@ def test_a_kv_budget_for_the_joint_plan_only_is_refused_for_keys_alone(tmp_path)
 
     args = ["convert", str(tmp_path / "missing"), "--out", str(tmp_path / "o"), "--kv-budget", "0.4", "--kv-plan", "keys"]
     result = CliRunner().invoke(app, args)
-    assert result.exit_code == 2 and "--kv-plan joint" in result.output and "takes (0, 1.0]" in result.output
+    assert result.exit_code == 2 and "--kv-plan keys-values" in result.output and "take (0, 1.0]" in result.output
     result = CliRunner().invoke(app, [*args[:-1], "mixed"])
     assert result.exit_code == 2 and "Unknown --kv-plan 'mixed'" in result.output

@@ -372,6 +372,7 @@ def render_card(report: dict, repo_id: str) -> ModelCard:
         keys=keys,
         key_layers=key_layers,
         value_layers=value_layers,
+        kv_plan=keys.get("chosen_plan", keys.get("plan")),
         latent_layers=latent_layers,
         key_width=latent_layers[0]["width"] if latent_layers else None,
         fasc_targeted=len(fasc["layers"]),

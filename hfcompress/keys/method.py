@@ -13,13 +13,15 @@ directions by the same surrogate (plan_sizes over both; their losses are in the 
 
 With `--kv-plan joint` the backward pass also measures, per layer, what each action does to the layer's output on the
 calibration inputs (its keys on twelfths of their width in Fisher directions, or its attention dropped), weighted by
-the loss gradient there (`action_costs`), and the plan chooses one action per layer under the budget (joint.py).
+the loss gradient there (`action_costs`), and the plan chooses one action per layer under the budget (joint.py). The
+estimates are of single actions, which interact: that plan, the keys plan and the keys-values plan at the same budget
+are then scored for real on the selection tokens, and the best is kept (`KeysMethod.best_candidate`).
 
 The pre-RoPE latent was chosen over the RoPE-commuting one by measurement (docs/key-compression.md): at 0.75x KV on
 SmolLM2, +2.6% against +37% held-out perplexity, training-free.
 """
 
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from torch import nn
@@ -30,6 +32,7 @@ from ..errors import HfcompressError
 from ..conversion.layer_plan import kv_values
 from ..conversion.methods import LayerContext, Method, Planner, register
 from ..lisa.weights import without_attention
+from ..progress import console
 from ..remote import import_remote
 from .joint import Option, plan_layers
 from .options import MIN_KEY_RANK, KeyOptions, key_width
@@ -108,6 +111,17 @@ def action_costs(
     return costs
 
 
+@dataclass
+class KeyPlan:
+    """One candidate plan of the layers that keep their attention: their key latent widths, their value latent widths
+    (keys-values), the layers whose attention it drops (joint) and the estimated loss of each layer's action (joint)."""
+
+    sizes: dict[int, int]
+    value_sizes: dict[int, int] = field(default_factory=dict)
+    dropped: list[int] = field(default_factory=list)
+    estimates: dict[int, float] = field(default_factory=dict)
+
+
 @register
 class KeysMethod(Method):
     name = "keys"
@@ -123,6 +137,10 @@ class KeysMethod(Method):
         self.value_factors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.rows: list[dict] = []
         self.values: dict[str, int] = {}
+        self.subspaces: dict[int, KeySubspace] = {}
+        self.value_subspaces: dict[int, KeySubspace] = {}
+        self.candidates: list[dict] = []  # the joint plan's candidates, scored
+        self.chosen_plan = options.plan  # the joint plan's best candidate
 
     @classmethod
     def from_options(cls, options) -> "KeysMethod":
@@ -135,9 +153,9 @@ class KeysMethod(Method):
         return {**asdict(self.options), "criterion": CRITERION, "layout": LAYOUT}
 
     def calibration_settings(self) -> dict:
-        # C and G depend on the model and the calibration text only; the joint plan measures its actions besides, the
-        # keys-values plan the values' statistics
-        return {"plan": self.options.plan} if self.options.plan != "keys" else {}
+        # C and G depend on the model and the calibration text only; the keys-values and joint plans observe the values'
+        # statistics besides, the joint plan measures its actions
+        return {"plan": self.options.plan, "values": True} if self.options.plan != "keys" else {}
 
     def observe(self, ctx: LayerContext) -> None:
         if not ctx.is_main:
@@ -147,7 +165,7 @@ class KeysMethod(Method):
             x = ctx.attention_input()
             keys = pre_rope_keys(attention, x).double().cpu()
             saved = {"C": keys.T @ keys / len(keys)}
-            if self.options.plan == "keys-values":
+            if self.options.plan != "keys":
                 values = attention.v_proj(x).reshape(-1, attention.v_proj.out_features).double().cpu()
                 saved["Cv"] = values.T @ values / len(values)
         save_atomic(saved, self.store / f"keys-{ctx.index}.pt")
@@ -156,7 +174,7 @@ class KeysMethod(Method):
         attention = ctx.layer.self_attn
         norm = getattr(attention, "k_norm", None)
         module = attention.k_proj if norm is None else KeyOutput(norm, key_width(attention.config))
-        values = {f"{ctx.index}.self_attn.v_proj": attention.v_proj} if self.options.plan == "keys-values" else {}
+        values = {f"{ctx.index}.self_attn.v_proj": attention.v_proj} if self.options.plan != "keys" else {}
         return {f"{ctx.index}.self_attn.keys": module, **values}
 
     def observe_gradients(self, ctx: LayerContext, stats: dict[str, LinearStats]) -> None:
@@ -168,7 +186,7 @@ class KeysMethod(Method):
         if not ctx.is_main:
             return
         saved, costs = torch.load(path), {}
-        if self.options.plan == "keys-values":
+        if self.options.plan != "keys":
             values = stats[f"{ctx.index}.self_attn.v_proj"]
             saved["Gv"] = (values.gg / values.tokens).cpu()
         if self.options.plan == "joint":
@@ -178,10 +196,14 @@ class KeysMethod(Method):
         save_atomic({**saved, "G": G, "costs": costs}, path)
 
     def plan(self, planner: Planner) -> None:
-        """Per layer that keeps its attention, its latent width: the budget's values, less what every layer's values and
-        the other methods' layers keep, spread where the Fisher surrogate says the loss is (--kv-plan keys); or one
-        action per layer, keep, a latent width or drop, of least estimated loss within the budget (--kv-plan joint); or
-        keys' and values' widths from one budget by the surrogate (--kv-plan keys-values)."""
+        """Per layer that keeps its attention, its latent widths (or its attention dropped), by the --kv-plan:
+        keys          the budget's values, less what every layer's values and the other methods' layers keep, spread
+                      over the keys where the Fisher surrogate says the loss is;
+        keys-values   one budget over the keys' and the values' directions by the same surrogate;
+        joint         one action per layer, keep, a key latent width or drop, of least estimated loss within the budget;
+                      then this plan and the two above (where the budget lets them) are scored for real on the
+                      selection tokens (the other methods' changes not applied), and the best is kept: the estimates
+                      are of single actions, which interact, so the joint plan is never worse there than its parts."""
         config = planner.config
         width, layers = key_width(config), planner.num_layers
         dropped = set(planner.notes.get("dropped_attention_layers", []))
@@ -189,66 +211,98 @@ class KeysMethod(Method):
         kept = [i for i in range(layers) if i not in dropped and i not in shared]
         budget = self.options.kv_budget * kv_values(config, 0, 0)["keep"] * layers
         saved = {idx: torch.load(self.store / f"keys-{idx}.pt") for idx in kept}
-        subspaces = {
-            idx: KeySubspace(KeyStatistics(C=s["C"], q2=torch.zeros(0), G=s["G"]), None, CRITERION, LAYOUT, config.head_dim)
-            for idx, s in saved.items()
-        }  # fmt: skip
-        estimates: dict[int, float] = {}
-        value_sizes: dict[int, int] = {}
-        value_subspaces = {
-            idx: KeySubspace(KeyStatistics(C=s["Cv"], q2=torch.zeros(0), G=s["Gv"]), None, CRITERION, LAYOUT, config.head_dim)
-            for idx, s in saved.items() if self.options.plan == "keys-values"
-        }  # fmt: skip
+
+        def subspaces_of(c: str, g: str) -> dict[int, KeySubspace]:
+            return {
+                idx: KeySubspace(KeyStatistics(C=s[c], q2=torch.zeros(0), G=s[g]), None, CRITERION, LAYOUT, config.head_dim)
+                for idx, s in saved.items()
+            }  # fmt: skip
+
+        self.subspaces = subspaces_of("C", "G")
+        self.value_subspaces = subspaces_of("Cv", "Gv") if self.options.plan != "keys" else {}
         if self.options.plan == "joint":
             chosen = self.joint_plan({idx: s["costs"] for idx, s in saved.items()}, shared, budget, width)
-            self.dropped = sorted(idx for idx, option in chosen.items() if option.action == "drop")
-            sizes = {idx: option.width or width for idx, option in chosen.items() if option.action != "drop"}
-            estimates = {idx: max(option.cost, 0.0) for idx, option in chosen.items()}
-            # FASC (planned next) leaves a dropped attention's linears alone
+            candidates = {"joint": KeyPlan(
+                dropped=sorted(idx for idx, option in chosen.items() if option.action == "drop"),
+                sizes={idx: option.width or width for idx, option in chosen.items() if option.action != "drop"},
+                estimates={idx: max(option.cost, 0.0) for idx, option in chosen.items()},
+            )}  # fmt: skip
+            for name in ("keys", "keys-values"):
+                try:
+                    candidates[name] = self.surrogate_plan(name, kept, budget - sum(shared.values()), width)
+                except HfcompressError:
+                    continue  # below what that plan reaches
+            self.chosen_plan = self.best_candidate(planner, candidates, width)
+            plan = candidates[self.chosen_plan]
+        else:
+            self.chosen_plan = self.options.plan
+            plan = self.surrogate_plan(self.options.plan, kept, budget - sum(shared.values()), width)
+        self.dropped = plan.dropped
+        if self.dropped:  # FASC (planned next) leaves a dropped attention's linears alone
             planner.notes["dropped_attention_layers"] = sorted({*dropped, *self.dropped})
-        elif self.options.plan == "keys-values":
-            for_both = int(budget - sum(shared.values()))
-            if for_both < 2 * MIN_KEY_RANK * len(kept):
+        self.set_plan(plan, kept, width)
+        cached = sum(plan.sizes.values()) + sum(plan.value_sizes.get(idx, width) for idx in plan.sizes) + sum(shared.values())
+        self.values = {"original": kv_values(config, 0, 0)["keep"] * layers, "converted": cached}
+
+    def surrogate_plan(self, name: str, kept: list[int], values: int, width: int) -> "KeyPlan":
+        """The widths of plan `name` (keys, keys-values) for `values` cached values a token over the layers `kept`."""
+        values = int(values)
+        if name == "keys-values":
+            if values < 2 * MIN_KEY_RANK * len(kept):
                 raise HfcompressError(
-                    f"--kv-budget {self.options.kv_budget} leaves {max(for_both, 0)} key and value values a token for "
+                    f"--kv-budget {self.options.kv_budget} leaves {max(values, 0)} key and value values a token for "
                     f"the {len(kept)} layers that keep their attention, fewer than {MIN_KEY_RANK} of each: give a "
                     "larger --kv-budget."
                 )  # fmt: skip
-            self.dropped = []
-            both = plan_sizes([*(subspaces[i] for i in kept), *(value_subspaces[i] for i in kept)], for_both, floor=MIN_KEY_RANK)
-            sizes, value_sizes = dict(zip(kept, both[: len(kept)])), dict(zip(kept, both[len(kept) :]))
-        else:
-            for_keys = int(budget - sum(shared.values()) - width * len(kept))
-            if for_keys < MIN_KEY_RANK * len(kept):
-                raise HfcompressError(
-                    f"--kv-budget {self.options.kv_budget} leaves {max(for_keys, 0)} key values a token for the "
-                    f"{len(kept)} layers that keep their attention, fewer than {MIN_KEY_RANK} each: give a larger "
-                    "--kv-budget, or --kv-plan joint (which may drop attention)."
-                )  # fmt: skip
-            self.dropped = []
-            sizes = dict(zip(kept, plan_sizes([subspaces[idx] for idx in kept], for_keys, floor=MIN_KEY_RANK)))
+            subs = [*(self.subspaces[i] for i in kept), *(self.value_subspaces[i] for i in kept)]
+            both = plan_sizes(subs, values, floor=MIN_KEY_RANK)
+            return KeyPlan(sizes=dict(zip(kept, both[: len(kept)])), value_sizes=dict(zip(kept, both[len(kept) :])))
+        for_keys = values - width * len(kept)
+        if for_keys < MIN_KEY_RANK * len(kept):
+            raise HfcompressError(
+                f"--kv-budget {self.options.kv_budget} leaves {max(for_keys, 0)} key values a token for the "
+                f"{len(kept)} layers that keep their attention, fewer than {MIN_KEY_RANK} each: give a larger "
+                "--kv-budget, or --kv-plan keys-values or joint."
+            )  # fmt: skip
+        return KeyPlan(sizes=dict(zip(kept, plan_sizes([self.subspaces[i] for i in kept], for_keys, floor=MIN_KEY_RANK))))
+
+    def best_candidate(self, planner: Planner, candidates: dict[str, "KeyPlan"], width: int) -> str:
+        """The candidate of least selection perplexity (each applied alone, training-free), recorded for the report."""
+        self.candidates = []
+        if planner.selection_perplexity is None or len(candidates) == 1:
+            return "joint"
+        for name, plan in candidates.items():
+            variant = KeysMethod(self.options)
+            variant.store, variant.subspaces, variant.value_subspaces = self.store, self.subspaces, self.value_subspaces
+            variant.dropped = plan.dropped
+            variant.set_plan(plan, [*plan.sizes, *plan.dropped], width)
+            perplexity = planner.selection_perplexity([variant])
+            self.candidates.append({"plan": name, "selection_perplexity": perplexity, "dropped_attention_layers": plan.dropped})
+            console.log(f"kv plan: candidate {name}: selection perplexity {perplexity:.3f}")
+        return min(self.candidates, key=lambda row: row["selection_perplexity"])["plan"]
+
+    def set_plan(self, plan: "KeyPlan", kept: list[int], width: int) -> None:
+        """The ranks, factors and report rows of `plan` (layers `kept`, in order)."""
         self.ranks, self.factors, self.rows = {}, {}, []
         self.value_ranks, self.value_factors = {}, {}
-        for idx in kept:
-            if idx in self.dropped:
-                row = {"layer": idx, "action": "drop", "rank": 0, "width": width, "estimated_loss": estimates[idx]}
+        for idx in sorted(kept):
+            if idx in plan.dropped:
+                row = {"layer": idx, "action": "drop", "rank": 0, "width": width, "estimated_loss": plan.estimates[idx]}
                 self.rows.append(row)
                 continue
-            size, sub = sizes[idx], subspaces[idx]
-            value_size = value_sizes.get(idx, width)
+            size, sub = plan.sizes[idx], self.subspaces[idx]
+            value_size = plan.value_sizes.get(idx, width)
             action = "keys" if size < width else "keep"
             row = {"layer": idx, "action": action, "rank": size, "width": width, "surrogate_loss": sub.cost(size)}
-            if idx in value_subspaces:
-                row.update(value_rank=value_size, value_surrogate_loss=value_subspaces[idx].cost(value_size))
-            self.rows.append({**row, "estimated_loss": estimates[idx]} if idx in estimates else row)
+            if idx in self.value_subspaces:
+                row.update(value_rank=value_size, value_surrogate_loss=self.value_subspaces[idx].cost(value_size))
+            self.rows.append({**row, "estimated_loss": plan.estimates[idx]} if idx in plan.estimates else row)
             if size < width:
                 self.ranks[idx] = size
                 self.factors[idx] = latent_factors(sub, size)
             if value_size < width:
                 self.value_ranks[idx] = value_size
-                self.value_factors[idx] = latent_factors(value_subspaces[idx], value_size)
-        cached = sum(sizes.values()) + sum(value_sizes.get(idx, width) for idx in sizes) + sum(shared.values())
-        self.values = {"original": kv_values(config, 0, 0)["keep"] * layers, "converted": cached}
+                self.value_factors[idx] = latent_factors(self.value_subspaces[idx], value_size)
 
     def joint_plan(self, costs: dict[int, dict], shared: dict[int, int], budget: float, width: int) -> dict[int, Option]:
         """One Option per layer that keeps its attention: keep, keys at a latent width or drop (not layer 0, whose
@@ -303,7 +357,7 @@ class KeysMethod(Method):
 
     def report(self) -> dict:
         return {
-            "kv_budget": self.options.kv_budget, "plan": self.options.plan, "dropped_attention_layers": self.dropped,
+            "kv_budget": self.options.kv_budget, "plan": self.options.plan, "chosen_plan": self.chosen_plan, "dropped_attention_layers": self.dropped,
             "criterion": CRITERION, "layout": "pre-RoPE latent, RoPE on the rebuilt keys",
-            "kv_values_per_token": self.values, "layers": self.rows,
+            "kv_values_per_token": self.values, "layers": self.rows, "candidates": self.candidates,
         }  # fmt: skip

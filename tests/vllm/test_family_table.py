@@ -55,3 +55,11 @@ def test_a_config_without_the_cache_layout_is_refused():
         CONFIG_CLASSES["lisa_llama"](**TINY, lisa_layers={"2": spec, "3": spec})
     message = str(refused.value)
     assert message.startswith("config.json: lisa_layers [2, 3] state no `source`") and "convert it again" in message
+
+
+@pytest.mark.parametrize("model_type", sorted(CONFIG_CLASSES))
+def test_a_config_with_low_rank_values_is_refused_with_what_to_do(model_type):
+    with pytest.raises(UnservableModel) as refused:
+        CONFIG_CLASSES[model_type](**TINY, value_ranks={"1": 8})
+    message = str(refused.value)
+    assert message.startswith("config.json: value_ranks") and "--kv-plan keys" in message

@@ -343,9 +343,9 @@ class KeysMethod(Method):
         }  # fmt: skip
 
     def with_fewer_changes(self, options, count: int):
-        """The key saving scaled by count / changed layers: a --kv-budget closer to 1 (the plan then narrows the keys
-        of about as many layers, each less)."""
-        changed = len(self.ranks) + len(self.value_ranks) + len(self.dropped)  # as the back-off counts them
+        """The saving scaled by count / changed layers (a layer's keys and its values count apart, as the back-off
+        counts them): a --kv-budget closer to 1 (the plan then narrows about as many latents, each less)."""
+        changed = len(self.ranks) + len(self.value_ranks) + len(self.dropped)
         budget = round(1.0 - (1.0 - self.options.kv_budget) * count / changed, 4)
         return replace(options, keys=replace(options.keys, kv_budget=budget)), f"--kv-budget {budget:g}"
 
@@ -357,7 +357,8 @@ class KeysMethod(Method):
 
     def report(self) -> dict:
         return {
-            "kv_budget": self.options.kv_budget, "plan": self.options.plan, "chosen_plan": self.chosen_plan, "dropped_attention_layers": self.dropped,
+            "kv_budget": self.options.kv_budget, "plan": self.options.plan, "chosen_plan": self.chosen_plan,
+            "dropped_attention_layers": self.dropped,
             "criterion": CRITERION, "layout": "pre-RoPE latent, RoPE on the rebuilt keys",
             "kv_values_per_token": self.values, "layers": self.rows, "candidates": self.candidates,
         }  # fmt: skip

@@ -10,7 +10,8 @@ model directory as it is (a real conversion's output or an original) on the smol
 Models (NAME): a tiny random checkpoint per family (tests/test_families.py's), converted in memory with the repo's own
 APIs (`converted_config`, the family's remote classes, `save_companion_files`): sparse-Align shared layers (a chain where
 the family allows one), FASC-factorised linears, a dropped-attention layer and key latents (`key_ranks`); "llama-own" has head matchings across KV
-groups (served with a shared layer's own cache in the concatenated-feature layouts); "llama-wide" is a Llama of head_dim
+groups (served with a shared layer's own cache in the concatenated-feature layouts); "mistral-values" has value latents
+(`value_ranks`: with a key latent, alone on the root of a shared layer, alone); "llama-wide" is a Llama of head_dim
 32, which stock vLLM serves on CPU too: its original is written as well (OUT_DIR/llama-wide-original and its
 transformers reference, llama-wide-original.json), for the fp8 KV cache comparison; "smollm2" is the real
 SmolLM2-135M-Instruct with 8 shared layers (grouped head matching, chains of 2), down_proj of 4 layers factorised by a truncated SVD and one dropped attention.
@@ -55,6 +56,11 @@ TINY = {
     "gemma3": ("gemma3", [1, 3], False, ["3.mlp.down_proj"], [], [0, 2]),
     "llama-wide": ("llama-wide", [1, 2], False, ["1.mlp.down_proj"], [3], [0]),
 }
+# name -> layers with low-rank values (`value_ranks`, rank width / 2 + 1: shares zero-padded), for the TINY entries that
+# have them: "mistral-values" (a window in every layer, head_dim 24) has a value latent with a key latent (0), alone on the
+# root of a shared layer (1, whose V is FASC-factorised too: its rotated keys handed to layer 2) and alone (3)
+TINY["mistral-values"] = ("mistral", [2], False, ["1.self_attn.v_proj"], [], [0])
+VALUE_LAYERS = {"mistral-values": [0, 1, 3]}
 
 
 def tiny_original(case: str):
@@ -83,10 +89,11 @@ def tiny_original(case: str):
 
 
 def convert_in_memory(original, lisa: list[int], cross_groups: bool, fasc: dict[str, int], dropped: list[int], seed: int,
-                      key_layers: tuple[int, ...] = ()):  # fmt: skip
+                      key_layers: tuple[int, ...] = (), value_layers: tuple[int, ...] = ()):  # fmt: skip
     """The family's converted model of `original` with these LISA layers (sparse Align, low-rank keys per KV group,
-    small random low-rank Q/K, scales near 1), FASC linears (truncated SVD of the original weight), dropped attentions
-    and key latents (`key_ranks`: a random rank-(width*3/4) orthogonal projection of the keys)."""
+    small random low-rank Q/K, scales near 1), FASC linears (truncated SVD of the original weight), dropped attentions,
+    key latents (`key_ranks`: a random rank-(width*3/4) orthogonal projection of the keys) and value latents
+    (`value_ranks`: a random rank-(width/2+1) orthogonal projection of the values)."""
     from hfcompress.conversion.build import converted_config
     from hfcompress.families import family_of
 
@@ -100,6 +107,8 @@ def convert_in_memory(original, lisa: list[int], cross_groups: bool, fasc: dict[
     width = kv * (getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
     if key_layers:
         entries["key_ranks"] = {str(i): width * 3 // 4 for i in key_layers}
+    if value_layers:
+        entries["value_ranks"] = {str(i): width // 2 + 1 for i in value_layers}
     config = converted_config(cfg, entries)
     _, cls = family_of(config).remote_classes()
     model = cls(config).eval()
@@ -126,6 +135,11 @@ def convert_in_memory(original, lisa: list[int], cross_groups: bool, fasc: dict[
         for idx in key_layers:
             basis, _ = torch.linalg.qr(torch.randn(width, width * 3 // 4, generator=generator, dtype=torch.float64))
             latent = model.model.layers[idx].self_attn.key_latent
+            latent.proj_in.weight.copy_(basis.T.float())
+            latent.proj_out.weight.copy_(basis.float())
+        for idx in value_layers:
+            basis, _ = torch.linalg.qr(torch.randn(width, width // 2 + 1, generator=generator, dtype=torch.float64))
+            latent = model.model.layers[idx].self_attn.value_latent
             latent.proj_in.weight.copy_(basis.T.float())
             latent.proj_out.weight.copy_(basis.float())
     return model
@@ -195,7 +209,8 @@ def build(name: str, root: Path) -> None:
         case, lisa, cross, fasc_paths, dropped, key_layers = TINY[name]
         original, tokenizer = tiny_original(case)
         fasc = {path: 16 for path in fasc_paths}
-        model = convert_in_memory(original, lisa, cross, fasc, dropped, seed=len(name), key_layers=tuple(key_layers))
+        model = convert_in_memory(original, lisa, cross, fasc, dropped, seed=len(name), key_layers=tuple(key_layers),
+                                  value_layers=tuple(VALUE_LAYERS.get(name, ())))
         max_len = 120
     save(model, tokenizer, out)
     prompts = prompts_for(tokenizer, PROMPTS, max_len, seed=7)

@@ -6,9 +6,11 @@
   linears, a dropped attention, low-rank keys: `key_ranks`, the root of a shared layer among them) and, in the slow tier, on SmolLM2-135M with 8 shared layers.
 - KV cache: a shared layer caches its low-rank keys and V (the "lowrank" layout, reading the root's K from the root's
   cache); a layer with low-rank keys caches its key latent and V (the "latent" layout; as a root it hands the shared
-  layers its rebuilt keys), and holds more tokens than with its keys cached at full width; SmolLM2 converted holds more tokens than the original in the same VLLM_CPU_KVCACHE_SPACE, as vLLM computes
-  them. The concatenated-feature layouts (grouped, own; HFCOMPRESS_VLLM_KV=concat, where the root's cache is not
-  readable) stay exact.
+  layers its rebuilt keys), and holds more tokens than with its keys cached at full width; a layer with low-rank values
+  (`value_ranks`) caches its value latent beside its key latent or its rotated keys (as a root, it hands the shared
+  layers those keys), exact, and holds more tokens than with full-width keys and values; SmolLM2 converted holds more
+  tokens than the original in the same VLLM_CPU_KVCACHE_SPACE, as vLLM computes them. The concatenated-feature layouts
+  (grouped, own; HFCOMPRESS_VLLM_KV=concat, where the root's cache is not readable) stay exact.
 - fp8 KV cache (`kv_cache_dtype` fp8 / fp8_e5m2): the lowrank layout reads the root's fp8 keys where vLLM's CPU backend
   writes them and stores the shared layers' own keys and V in fp8; served with it, a converted model is as close to its
   fp32 reference as the original served by stock vLLM with fp8 is to its own, and caches ~4x the tokens of fp32 (more
@@ -137,6 +139,27 @@ def test_key_latents_are_cached_and_hold_more_tokens(vllm_models, kv_cache_dtype
     latent = capacity(model, kv_cache_dtype)
     full = capacity(model, kv_cache_dtype, env={"HFCOMPRESS_VLLM_KEYS": "full"})
     assert latent / full == pytest.approx(288 / 272, rel=0.01), (latent, full)
+
+
+def test_value_latents_are_cached_exactly_and_hold_more_tokens(vllm_models):
+    """A tiny Mistral (a window of 6 in every layer, head_dim 24, 2 KV heads) with value latents of rank 25 (2 x 13
+    cached, one zero pad): layer 0 with a key latent too, layer 1 alone on the root of shared layer 2 (its V
+    FASC-factorised: it hands its rotated keys), layer 3 alone. Served at fp32, exact against the remote code (40/40
+    greedy tokens), and so with full-width keys and values (HFCOMPRESS_VLLM_KEYS=full: A B v cached); the latents fit
+    more tokens, by the ratio of the per-token cache sizes: 2 x (18 + 13) + 2 x (24 + 13) + 2 x (8 + 24) + 2 x (24 +
+    13) = 274 values against 3 x 2 x 2 x 32 (head size 24 padded to the CPU backend's 32) + 64 = 448."""
+    result = check(vllm_models, "mistral-values")
+    assert_exact(result)
+    layout = result["kv_layout"]
+    assert layout["0"] == "latent (keys rank 36: 2 x 18, values rank 25: 2 x 13)", layout
+    assert layout["1"] == "latent (keys 2 x 24 (handed to the shared layers above), values rank 25: 2 x 13)", layout
+    assert layout["2"].startswith("lowrank (root 1") and layout["3"] == "latent (keys 2 x 24, values rank 25: 2 x 13)"
+    # the same model with its keys and values rebuilt and cached at full width: exact too, and fewer tokens
+    full = check(vllm_models, "mistral-values", env={"HFCOMPRESS_VLLM_KEYS": "full"})
+    assert_exact(full)
+    assert full["kv_layout"]["1"] == "plain (value latent 25 rebuilt to full-width values)", full["kv_layout"]
+    ratio = result["kv_capacity_tokens"] / full["kv_capacity_tokens"]
+    assert ratio == pytest.approx(448 / 274, rel=0.01), (result["kv_capacity_tokens"], full["kv_capacity_tokens"])
 
 
 def written_and_read(isa: str, dtype: torch.dtype, kv_cache_dtype: str, scale: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -71,11 +71,6 @@ class LisaServableMixin:
 
     def check_servable(self) -> None:
         n = self.num_hidden_layers
-        if getattr(self, "value_ranks", None):
-            raise UnservableModel(
-                "config.json: value_ranks (low-rank values, hfcompress --kv-plan keys-values) are not served by this "
-                "vLLM plugin yet; load the model with transformers (trust_remote_code=True), or convert with --kv-plan keys."
-            )
         dense, unknown = [], {}
         for key, spec in self.lisa_layers.items():
             extra = set(spec) - LISA_SPEC_KEYS

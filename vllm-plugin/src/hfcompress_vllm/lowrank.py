@@ -29,8 +29,9 @@ ISA packs them (`ROOT_LAYOUTS`): "vec" / "vec16" (fp32, fp16, bf16 without AMX) 
 [block_size / 16, head size / 2, 16, 2]. The same with an fp8 KV cache (`kv_cache_dtype` fp8 / fp8_e4m3 / fp8_e5m2:
 bytes of e4m3fn / e5m2, the value divided by the layer's k / v scale). There a shared layer's own cache holds fp8 bytes
 too (quantized with its own layer's scales on write), and every part is dequantized (times its layer's scale) as it is
-read. A root with a key latent (latent.py) caches the latent, not its keys: it hands the step's rebuilt, rotated keys
-(`step_keys`: a scratch cache in the "vec" layout with its own block table), read in place of its cache. GPU backends
+read. A root with a key or value latent (latent.py) caches its key latent (or its rotated keys) in a layout of its
+own, not the CPU backend's: it hands the step's rotated keys (`step_keys`: a scratch cache in the "vec" layout with its
+own block table), read in place of its cache. GPU backends
 have their own layouts: there the model falls back to the concatenated-feature layouts
 (model.plan_layers); the layer also checks, on its first call, that the root's attention runs an ISA whose layout it
 reads.
@@ -458,7 +459,7 @@ def lisa_attention(below: torch.Tensor, source: torch.Tensor, scale: torch.Tenso
     if not layer.checked:
         for part in layer.parts:
             root = context.no_compile_layers[part.layer_name]
-            if part.kind == "root" and not getattr(root, "hands_keys", False):  # a key-latent root hands its keys
+            if part.kind == "root" and not getattr(root, "hands_keys", False):  # a latent root hands its keys
                 isa = getattr(root, "isa", None)
                 if isa not in ROOT_LAYOUTS:
                     raise UnservableModel(
@@ -474,7 +475,7 @@ def lisa_attention(below: torch.Tensor, source: torch.Tensor, scale: torch.Tenso
         handed = getattr(holder, "step_keys", None) if part.kind == "root" else None
         if handed is None and part.kind == "root" and getattr(holder, "hands_keys", False):
             raise RuntimeError(f"{layer_name}: its root {part.layer_name} handed no keys this step")
-        # a key-latent root (latent.py) caches no keys: it hands this step's rebuilt keys in a "vec" layout of their
+        # a latent root (latent.py) caches its keys in its own layout: it hands this step's keys in a "vec" layout of their
         # own, with their own block table
         sources.append((handed, handed) if handed is not None else (holder, source_meta))
     query = SharedQuery(below, source, scale, own)

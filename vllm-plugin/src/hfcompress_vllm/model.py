@@ -50,6 +50,14 @@ its rebuilt keys of the step where they would read its cache. As the root of a c
 own), with HFCOMPRESS_VLLM_KEYS=full, or off vLLM's CPU platform, it caches its rebuilt keys at full width instead
 (exact, without the saving).
 
+A layer with low-rank values (config `value_ranks`: its V, all KV heads side by side, passes through a value latent
+z = B v, read as A z) is in the latent layout too, with or without a key latent: its cache holds the value latent (r
+values a token, spread over the KV heads) beside the key latent, or beside its rotated keys where it has no key latent;
+the attention applies A to the probability-weighted latents (decodes) or to the cached latents (long prefill chunks),
+exact either way. As a root of shared layers (lowrank layout) it hands them its rotated keys as a key-latent root does
+(the shared layers read no values of the root). Where the latent layout does not apply (the cases above), its values
+are rebuilt, A B v, and cached at full width.
+
 A dropped-attention layer (config `dropped_attention_layers`) has no attention and no cache: the MLP part alone.
 """
 
@@ -176,6 +184,8 @@ class LayerPlan:
     root: int | None = None  # a group's root layer (grouped layout)
     layout: str = "plain"  # plain (a full layer's own d-wide cache), latent, lowrank, grouped, own
     key_rank: int = 0  # a full layer's key latent width r (config `key_ranks`), 0: none
+    value_rank: int = 0  # a full layer's value latent width r (config `value_ranks`), 0: none
+    value_size: int = 0  # latent layout: the cache's value head size (the value latent's share per KV head, or d)
     # grouped: the group's layers in order, the head size P, this layer's key / value slot offsets
     members: list[int] = field(default_factory=list)
     head_size: int = 0
@@ -197,20 +207,23 @@ def plan_layers(config, lowrank: bool = False, latent: bool = False) -> list[Lay
     """The cache plan of every layer, from config.json alone (a shared layer's spec states its `source`: configs.py
     refuses one that does not); `lowrank`: the shared layers cache their low-rank keys and V and read the root's K from
     its cache (lowrank.py; where the root's cache layout is readable), else the concatenated-feature layouts;
-    `latent`: a layer with low-rank keys caches its key latent and V (latent.py), unless it is the root of shared
-    layers in a concatenated-feature layout (those put its keys in the group's cache: full-width keys there)."""
+    `latent`: a layer with low-rank keys or values caches its key latent (else its rotated keys) and its value latent
+    (else V) (latent.py), unless it is the root of shared layers in a concatenated-feature layout (those put its keys
+    and V in the group's cache: full-width keys and values there)."""
     heads, kv = config.num_attention_heads, config.num_key_value_heads
     d, g = head_dim(config), config.num_attention_heads // config.num_key_value_heads
     types = config.attention_types
     dropped = set(config.dropped_attention_layers)
     key_ranks = {int(k): int(v) for k, v in (getattr(config, "key_ranks", None) or {}).items()}
+    value_ranks = {int(k): int(v) for k, v in (getattr(config, "value_ranks", None) or {}).items()}
     plans = []
     for idx in range(config.num_hidden_layers):
         spec = config.lisa_layers.get(str(idx))
         if idx in dropped:
             plans.append(LayerPlan(idx, "dropped", types[idx]))
         elif spec is None:
-            plans.append(LayerPlan(idx, "full", types[idx], width=d, key_rank=key_ranks.get(idx, 0)))
+            plans.append(LayerPlan(idx, "full", types[idx], width=d, key_rank=key_ranks.get(idx, 0),
+                                   value_rank=value_ranks.get(idx, 0)))
         else:
             rank, kh = int(spec["rank"]), int(spec.get("key_heads", heads))
             plans.append(LayerPlan(idx, "shared", types[idx], rank, kh, [int(h) for h in spec["source"]]))
@@ -228,9 +241,12 @@ def plan_layers(config, lowrank: bool = False, latent: bool = False) -> list[Lay
         plan_chain(chain, heads, kv, d, g, lowrank)
         idx = chain[-1].idx + 1
     for plan in plans:
-        if latent and plan.key_rank and plan.layout == "plain" and plan.above in ("", "lowrank"):
-            # the latent spread over the KV heads (the cache spec's key head size), zero-padded
-            plan.layout, plan.cache_heads, plan.head_size = "latent", kv, -(-plan.key_rank // kv)
+        if latent and (plan.key_rank or plan.value_rank) and plan.layout == "plain" and plan.above in ("", "lowrank"):
+            # each latent spread over the KV heads (the cache spec's key / value head size), zero-padded; without a
+            # latent, the rotated keys / V of d per KV head
+            plan.layout, plan.cache_heads = "latent", kv
+            plan.head_size = -(-plan.key_rank // kv) if plan.key_rank else d
+            plan.value_size = -(-plan.value_rank // kv) if plan.value_rank else d
     return plans
 
 
@@ -304,7 +320,8 @@ def plan_chain(chain: list[LayerPlan], heads: int, kv: int, d: int, g: int, lowr
 
 
 def describe(plans: list[LayerPlan]) -> dict[int, str]:
-    """Layer -> how its attention is cached: plain, latent (a layer with low-rank keys: its key latent and V), lowrank
+    """Layer -> how its attention is cached: plain, latent (a layer with low-rank keys or values: its latents, and its
+    rotated keys / V where it has no latent for them), lowrank
     (a shared layer's low-rank keys and V), grouped (root L: one cache for a root and its shared layers), own (a
     shared layer's own, wider cache), dropped (none)."""
     out = {}
@@ -318,11 +335,16 @@ def describe(plans: list[LayerPlan]) -> dict[int, str]:
         elif plan.layout == "lowrank":
             out[plan.idx] = f"lowrank (root {plan.root}, keys {plan.key_heads} x {plan.rank}, values {plan.cache_heads} x {plan.head_size})"
         elif plan.layout == "latent":
-            keys = f"rank {plan.key_rank}: {plan.cache_heads} x {plan.head_size}"
+            keys = f"{plan.cache_heads} x {plan.head_size}"
+            keys = f"rank {plan.key_rank}: {keys}" if plan.key_rank else keys
             handed = " (handed to the shared layers above)" if plan.hands_off else ""
-            out[plan.idx] = f"latent (keys {keys}{handed}, values {plan.cache_heads} x {plan.width})"
-        elif plan.key_rank:
-            out[plan.idx] = f"plain (key latent {plan.key_rank} rebuilt to full-width keys)"
+            values = f"{plan.cache_heads} x {plan.value_size}"
+            values = f"rank {plan.value_rank}: {values}" if plan.value_rank else values
+            out[plan.idx] = f"latent (keys {keys}{handed}, values {values})"
+        elif plan.key_rank or plan.value_rank:
+            rebuilt = [f"key latent {plan.key_rank} rebuilt to full-width keys"] if plan.key_rank else []
+            rebuilt += [f"value latent {plan.value_rank} rebuilt to full-width values"] if plan.value_rank else []
+            out[plan.idx] = f"plain ({', '.join(rebuilt)})"
         else:
             out[plan.idx] = "plain"
     return out
@@ -343,9 +365,9 @@ def lowrank_layout(config, dtype: torch.dtype, block_size: int | None, kv_cache_
 
 
 def latent_layout() -> bool:
-    """Whether layers with low-rank keys cache their key latent (latent.py): on vLLM's CPU platform (where it is
-    tested; elsewhere they cache their rebuilt keys at full width), unless HFCOMPRESS_VLLM_KEYS=full asks for the
-    full-width keys (the comparison of what the latent saves)."""
+    """Whether layers with low-rank keys or values cache their latents (latent.py): on vLLM's CPU platform (where it is
+    tested; elsewhere they cache their rebuilt keys and values at full width), unless HFCOMPRESS_VLLM_KEYS=full asks
+    for the full-width keys and values (the comparison of what the latents save)."""
     choice = os.environ.get("HFCOMPRESS_VLLM_KEYS", "latent")
     if choice not in ("latent", "full"):
         raise UnservableModel(f"HFCOMPRESS_VLLM_KEYS={choice!r}: use latent (the default) or full.")
@@ -428,6 +450,12 @@ class FullAttention(nn.Module):
         # of a concatenated-feature group, HFCOMPRESS_VLLM_KEYS=full, GPU platforms) the cache holds the rebuilt keys
         rank = plan.key_rank
         self.key_latent = FascLinear(self.kv_size, self.kv_size, rank, False, f"{prefix}.key_latent") if rank else None
+        # low-rank values (`value_ranks`): V through the latent, A (B v). The latent layout caches z = B v and applies A
+        # in the attention (latent.py); elsewhere the cache holds the rebuilt values
+        value_rank = plan.value_rank
+        self.value_latent = (
+            FascLinear(self.kv_size, self.kv_size, value_rank, False, f"{prefix}.value_latent") if value_rank else None
+        )
         self.rotary_emb = get_rope(d, max_position=config.max_position_embeddings,
                                    rope_parameters=rope_parameters(config, plan.attention_type), is_neox_style=True)
         window = window_of(config, plan.attention_type)
@@ -435,9 +463,10 @@ class FullAttention(nn.Module):
             from .latent import LatentCacheAttention
 
             self.attn = LatentCacheAttention(
-                num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=d, rank=rank, scale=self.scaling,
-                rotary=self.rotary_emb, key_up=self.key_latent.proj_out, cache_config=cache_config, sliding_window=window,
-                prefix=f"{prefix}.attn", hands_keys=plan.hands_off,
+                num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=d, scale=self.scaling,
+                rotary=self.rotary_emb, cache_config=cache_config, sliding_window=window, prefix=f"{prefix}.attn",
+                key_rank=rank, key_up=self.key_latent.proj_out if rank else None, value_rank=value_rank,
+                value_up=self.value_latent.proj_out if value_rank else None, hands_keys=plan.hands_off,
             )  # fmt: skip
         elif plan.layout == "grouped":  # the group's cache: head size P, pre-scaled queries
             self.attn = Attention(self.num_heads, plan.head_size, 1.0, num_kv_heads=self.num_kv_heads, cache_config=cache_config,
@@ -457,13 +486,21 @@ class FullAttention(nn.Module):
             q = self.q_norm(q.reshape(t, self.num_heads, d)).reshape(t, -1)
             k = self.k_norm(k.reshape(t, self.num_kv_heads, d)).reshape(t, -1)
         if self.plan.layout == "latent":
-            q, _ = self.rotary_emb(positions, q, None)
-            out = self.attn.attend(q, run(self.key_latent.proj_in, k), v, self.rotary_emb.cos_sin_cache)
+            if self.key_latent is not None:  # the key latent z = B k (the keys are rebuilt and rotated as read)
+                q, _ = self.rotary_emb(positions, q, None)
+                k = run(self.key_latent.proj_in, k)
+            else:  # the keys cached rotated, as a plain layer's
+                q, k = self.rotary_emb(positions, q, k)
+            if self.value_latent is not None:  # the value latent z = B v
+                v = run(self.value_latent.proj_in, v)
+            out = self.attn.attend(q, k, v, self.rotary_emb.cos_sin_cache)
             # the shared layers above (lowrank layout) read the keys this layer hands them (latent.HandedKeys)
             handoff = Handoff(q.reshape(t, self.num_heads, d) * self.scaling, None, None, None) if self.plan.hands_off else None
             return run(self.o_proj, out), handoff
         if self.key_latent is not None:
             k = run(self.key_latent, k)
+        if self.value_latent is not None:
+            v = run(self.value_latent, v)
         q, k = self.rotary_emb(positions, q, k)
         if self.plan.layout != "grouped":
             if self.padded == d:

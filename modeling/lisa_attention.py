@@ -456,6 +456,16 @@ def grouped_attention(probs: torch.Tensor, value: torch.Tensor, groups: int) -> 
     return out.view(batch, heads, q_len, -1)
 
 
+def latent_value_attention(probs: torch.Tensor, latent: torch.Tensor, up: torch.Tensor, groups: int) -> torch.Tensor:
+    """probs @ V for values V = A z kept as their latents z (B, 1, Tk, r), A = `up` (KV x D, r): the probabilities mix
+    the latents, then each query head applies its KV head's rows of A, (B, H, Tq, Tk) -> (B, H, Tq, D). Exact (A is
+    linear) and, for few query rows, far cheaper than rebuilding every cached token's values."""
+    batch, heads, q_len, kv_len = probs.shape
+    mixed = torch.bmm(probs.reshape(batch, heads * q_len, kv_len), latent.reshape(batch, kv_len, -1))
+    per_head = up.view(heads // groups, -1, up.shape[-1]).repeat_interleave(groups, dim=0)  # (H, D, r)
+    return torch.einsum("bhqr,hdr->bhqd", mixed.view(batch, heads, q_len, -1), per_head)
+
+
 def softmax_attention(
     scores: torch.Tensor, mask: torch.Tensor | None, value: torch.Tensor, groups: int
 ) -> torch.Tensor:  # fmt: skip
@@ -576,12 +586,14 @@ class LisaAttention(nn.Module):
             query, key = self.query_key(hidden_states, position_embeddings)
             if cache is not None:
                 key, value = cache.update(key, value, self.layer_idx)
-        if self.value_latent is not None:  # every cached token's values, rebuilt: (B, KV, Tk, D)
+        q_len, kv_len = query.shape[2], key.shape[2]
+        # a decode step with a value latent mixes the cached latents (the model hands it the step's mask)
+        mix_latent = self.value_latent is not None and q_len == 1 and additive_mask is not None
+        if self.value_latent is not None and not mix_latent:  # every cached token's values, rebuilt: (B, KV, Tk, D)
             value = self.value_latent.proj_out(value.squeeze(1))
             value = value.view(*value.shape[:-1], -1, self.head_dim).transpose(1, 2)
 
-        q_len, kv_len = query.shape[2], key.shape[2]
-        if handoff == "scores" or (handoff and q_len == 1) or output_attentions:
+        if handoff == "scores" or (handoff and q_len == 1) or output_attentions or mix_latent:
             # decode (or materialised scores on request, or output_attentions): the score row is computed once, for
             # this layer's own softmax and for the next layer (cheaper than the next layer re-reading the whole key
             # cache); GQA by KV head, so the caches are not copied to H heads
@@ -590,7 +602,11 @@ class LisaAttention(nn.Module):
             probs = attention_probs(scores, mask, value.dtype)
             if output_attentions:
                 self.attention_weights(probs)
-            attn_output = grouped_attention(probs, value, self.num_key_value_groups).transpose(1, 2)
+            if mix_latent:
+                attn_output = latent_value_attention(probs, value, self.value_latent.proj_out.weight, self.num_key_value_groups)
+            else:
+                attn_output = grouped_attention(probs, value, self.num_key_value_groups)
+            attn_output = attn_output.transpose(1, 2)
             passed = scores if handoff else None
         else:
             # the next LISA layer recomputes what it needs from this layer's (scaled query, key) features
@@ -1006,6 +1022,7 @@ class LisaModel(LisaPreTrainedModel):
         # the attention types whose layers materialise scores (a LISA layer and its anchor share one)
         self.lisa_types = {self.attention_types[int(idx)] for idx in config.lisa_layers}
         self.key_types = {self.attention_types[int(idx)] for idx in config.key_ranks}  # with low-rank key layers
+        self.value_types = {self.attention_types[int(idx)] for idx in config.value_ranks}  # with low-rank value layers
         # with a cache layer of their own layout (a LISA layer, a key or a value latent)
         self.own_layout_types = {self.attention_types[idx] for idx in range(config.num_hidden_layers) if config.caches_own_layout(idx)}
         self.gradient_checkpointing = False
@@ -1052,9 +1069,11 @@ class LisaModel(LisaPreTrainedModel):
         else:
             causal_masks = {kind: MASK_FUNCTIONS[kind](**mask_kwargs) for kind in self.mask_types}
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
+        # a decode step's value-latent layers attend with materialised scores too (LisaAttention.forward: mix_latent)
+        decode_step = inputs_embeds.shape[1] == 1
         additive_masks = {
             kind: score_mask(**mask_kwargs, causal_mask=mask, attention_type=kind)
-            if kind in self.lisa_types or output_attentions else None
+            if kind in self.lisa_types or output_attentions or (decode_step and kind in self.value_types) else None
             for kind, mask in causal_masks.items()
         }  # fmt: skip
 

@@ -88,6 +88,28 @@ def test_the_cache_holds_the_value_latent():
     assert model.config.cache_layer_types()[2] == "lisa_attention"
 
 
+def test_a_decode_step_mixes_the_cached_latents_instead_of_rebuilding_the_values():
+    """At decode the probabilities mix the cached value latents and A applies once per query head
+    (`latent_value_attention`): the same output as attending over the rebuilt values, and proj_out never runs on the
+    cache (a prefill rebuilds them, once)."""
+    from hfcompress.remote import import_remote
+
+    attention = import_remote("lisa_attention")
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(2, 6, 1, 9, generator=generator), -1)
+    latent, up = torch.randn(2, 1, 9, 5, generator=generator), torch.randn(3 * 4, 5, generator=generator)
+    values = (latent.squeeze(1) @ up.T).view(2, 9, 3, 4).transpose(1, 2)
+    torch.testing.assert_close(attention.latent_value_attention(probs, latent, up, 2), attention.grouped_attention(probs, values, 2))
+
+    _, model, _ = models_with_lowrank_values("mistral", {1: 10})
+    ids, mask = ids_and_mask(padded=True)
+    calls = []
+    model.model.layers[1].self_attn.value_latent.proj_out.register_forward_hook(lambda *args: calls.append(1))
+    with torch.no_grad():
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert len(calls) == 1  # the prefill's
+
+
 @pytest.mark.parametrize("backend", ["quanto", "hqq"])
 def test_the_quantized_cache_quantizes_the_value_latent(backend):
     """generate(cache_implementation="quantized"): a low-rank value layer's cache is the LISA quantized layer (a latent

@@ -9,14 +9,15 @@ it lives here because this file ships with every converted model, which may impo
 
 A family config is `@strict class LisaXxxConfig(LisaConfigMixin, XxxConfig)` with `model_type` its table entry's
 `converted_model_type`, declaring the conversion specs as fields (`lisa_layers`, `fasc_ranks`, `key_ranks`,
-`value_ranks`, `dropped_attention_layers`) and calling `normalise_specs()` first in its `__post_init__`; the mixin gives it
-`attention_types` (each layer's attention type as its family names it), `projection_biases` and `embedding_scale`
-from the table.
+`value_ranks`, `dropped_attention_layers`) and calling `normalise_specs()` first in its `__post_init__`; the mixin
+gives it `attention_types` (each layer's attention type as its family names it), `projection_biases` and
+`embedding_scale` from the table.
 
-Cache layer types: a LISA layer caches low-rank keys (H heads x r) and values (KV heads), and a layer with low-rank
-keys (`key_ranks`) its key latent (one head of width r) and its values, and a layer with low-rank values (`value_ranks`)
-its value latent (one head), which transformers' own cache layers cannot allocate; their type is the attention type with the "lisa_" prefix ("lisa_attention" for full attention,
-"lisa_sliding_attention" for a sliding window), and `lisa_attention.py` registers the cache layers of those names.
+Cache layer types: a LISA layer caches low-rank keys (H heads x r) and values (KV heads), a layer with low-rank keys
+(`key_ranks`) its key latent (one head of width r), and a layer with low-rank values (`value_ranks`) its value latent
+(one head), which transformers' own cache layers cannot allocate; their type is the attention type with the "lisa_"
+prefix ("lisa_attention" for full attention, "lisa_sliding_attention" for a sliding window), and `lisa_attention.py`
+registers the cache layers of those names.
 A layer whose attention is dropped caches nothing: "dropped_attention" / "dropped_sliding_attention", transformers'
 DummyLayer (the attention type stays readable from the name, for the families that keep only `layer_types`).
 """
@@ -303,7 +304,9 @@ class LisaConfigMixin:
             if not 0 <= idx < self.num_hidden_layers:
                 raise ValueError(f"low-rank value layer {idx} must be in 0..{self.num_hidden_layers - 1}.")
             if not 0 < rank <= width:
-                raise ValueError(f"low-rank value layer {idx}: its rank must be in 1..{width} (KV heads x head_dim), got {rank}.")
+                raise ValueError(
+                    f"low-rank value layer {idx}: its rank must be in 1..{width} (KV heads x head_dim), got {rank}."
+                )
             if key in self.lisa_layers:
                 raise ValueError(f"layer {idx} is both a LISA layer and a low-rank value layer: it can be only one.")
             if idx in self.dropped_attention_layers:

@@ -188,7 +188,8 @@ from transformers.cache_utils import Fp8QuantizedLayer, HQQQuantizedLayer, Quant
 
 class LisaQuantizedLayerMixin:
     """The LISA half of a group-wise quantized cache layer (keys (B, Hk, T, r) grouped along T, values (B, KV, T, d) as
-    the backend's layer groups them, a value latent (B, 1, T, r) along T where r is not a multiple of the group); `key_group_axis` is the backend's axis whose groups are contiguous in memory."""
+    the backend's layer groups them, a value latent (B, 1, T, r) along T where r is not a multiple of the group);
+    `key_group_axis` is the backend's axis whose groups are contiguous in memory."""
 
     key_group_axis: int
 
@@ -603,7 +604,8 @@ class LisaAttention(nn.Module):
             if output_attentions:
                 self.attention_weights(probs)
             if mix_latent:
-                attn_output = latent_value_attention(probs, value, self.value_latent.proj_out.weight, self.num_key_value_groups)
+                up = self.value_latent.proj_out.weight
+                attn_output = latent_value_attention(probs, value, up, self.num_key_value_groups)
             else:
                 attn_output = grouped_attention(probs, value, self.num_key_value_groups)
             attn_output = attn_output.transpose(1, 2)
@@ -1024,7 +1026,9 @@ class LisaModel(LisaPreTrainedModel):
         self.key_types = {self.attention_types[int(idx)] for idx in config.key_ranks}  # with low-rank key layers
         self.value_types = {self.attention_types[int(idx)] for idx in config.value_ranks}  # with low-rank value layers
         # with a cache layer of their own layout (a LISA layer, a key or a value latent)
-        self.own_layout_types = {self.attention_types[idx] for idx in range(config.num_hidden_layers) if config.caches_own_layout(idx)}
+        self.own_layout_types = {
+            kind for idx, kind in enumerate(self.attention_types) if config.caches_own_layout(idx)
+        }  # fmt: skip
         self.gradient_checkpointing = False
         self.post_init()
 

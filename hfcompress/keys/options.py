@@ -46,9 +46,9 @@ class KeyOptions:
         return self
 
     def check_against_model(self, config) -> None:
-        """The budget must leave every layer its values and MIN_KEY_RANK key values a token (a converted config: what
-        sharing or dropping would save besides is not planned yet); the joint plan, which may drop every attention but
-        layer 0's, must leave layer 0 that much."""
+        """The budget must leave every layer its values (keys-values: MIN_KEY_RANK of them) and MIN_KEY_RANK key values
+        a token (a converted config: what sharing or dropping would save besides is not planned yet); the joint plan,
+        which may drop every attention but layer 0's, must leave layer 0 its values and MIN_KEY_RANK key values."""
         if self.kv_budget == 1.0:
             return
         width, layers = key_width(config), config.num_hidden_layers

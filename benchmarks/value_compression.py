@@ -22,8 +22,8 @@ from torch import nn
 
 from hfcompress.conversion.calibrate import load_or_compute
 from hfcompress.evidence.validate import perplexity
-from hfcompress.keys import KeySubspace, plan_sizes, projected_keys
-from hfcompress.keys.statistics import KeyStatistics
+from hfcompress.keys import KeySubspace, plan_sizes, projected_keys, projected_values
+from hfcompress.keys.statistics import KeyStatistics, run_sequences
 from hfcompress.sources.source import BUILTIN_SOURCE
 
 from key_compression import model_and_key_statistics
@@ -50,24 +50,15 @@ def value_statistics(model: nn.Module, sequences: torch.Tensor) -> list[KeyStati
         return on_value
 
     handles = [layer.self_attn.v_proj.register_forward_hook(hook(entry)) for layer, entry in zip(layers, stats)]
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    for p in trainable:
-        p.requires_grad_(False)
     try:
-        for sequence in sequences:
-            ids = sequence.unsqueeze(0)
-            embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
-            logits = model(inputs_embeds=embeds, use_cache=False).logits[0, :-1]
-            nn.functional.cross_entropy(logits.float(), ids[0, 1:], reduction="sum").backward()
+        tokens = run_sequences(model, sequences, gradients=True)
     finally:
         for handle in handles:
             handle.remove()
-        for p in trainable:
-            p.requires_grad_(True)
     for entry in stats:
-        entry.C /= sequences.numel()
-        entry.G /= sequences.numel()
-        entry.tokens = sequences.numel()
+        entry.C /= tokens
+        entry.G /= tokens
+        entry.tokens = tokens
     return stats
 
 
@@ -80,18 +71,6 @@ def output_metric(attention: nn.Module, head_dim: int) -> torch.Tensor:
     grams = per_head @ per_head.transpose(1, 2)  # (heads, d, d)
     blocks = grams.reshape(kv_heads, heads // kv_heads, head_dim, head_dim).sum(1)
     return torch.block_diag(*blocks)
-
-
-def project_values(model: nn.Module, projectors: dict[int, torch.Tensor]):
-    layers = model.model.layers
-
-    def hook(matrix: torch.Tensor):
-        def on_value(module, inputs, output):
-            return output @ matrix.to(output.device, output.dtype).T
-
-        return on_value
-
-    return [layers[i].self_attn.v_proj.register_forward_hook(hook(p)) for i, p in projectors.items()]
 
 
 def main() -> None:
@@ -116,16 +95,11 @@ def main() -> None:
     count = len(layers)
 
     def score(keys: dict[int, torch.Tensor], values: dict[int, torch.Tensor]) -> list[float]:
-        handles = project_values(model, values)
-        try:
-            with projected_keys(model, keys), torch.no_grad():
-                return [
-                    perplexity(model, ids, options.eval_context, max_tokens=args.eval_tokens, prefix=streams.prefix).perplexity
-                    for ids in streams.evaluations.values()
-                ]
-        finally:
-            for handle in handles:
-                handle.remove()
+        with projected_values(model, values), projected_keys(model, keys), torch.no_grad():
+            return [
+                perplexity(model, ids, options.eval_context, max_tokens=args.eval_tokens, prefix=streams.prefix).perplexity
+                for ids in streams.evaluations.values()
+            ]
 
     names = [name.split(" (")[0] for name in streams.evaluations]
     base = score({}, {})

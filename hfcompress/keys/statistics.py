@@ -48,6 +48,31 @@ def query_module(attention: nn.Module) -> nn.Module:
     return attention.q_proj if norm is None else norm
 
 
+def run_sequences(model: nn.Module, sequences: torch.Tensor, gradients: bool) -> int:
+    """Every sequence of `sequences` (N, T) through `model` one at a time, each with a backward pass of its summed cross
+    entropy when `gradients` (the hooks of the caller see the activations' gradients, the weights get none); returns
+    the tokens run."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for p in trainable:
+        p.requires_grad_(False)  # the gradients wanted are the activations', not the weights'
+    tokens = 0
+    try:
+        for sequence in sequences:
+            ids = sequence.unsqueeze(0)
+            if gradients:
+                embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+                logits = model(inputs_embeds=embeds, use_cache=False).logits[0, :-1]
+                nn.functional.cross_entropy(logits.float(), ids[0, 1:], reduction="sum").backward()
+            else:
+                with torch.no_grad():
+                    model(ids, use_cache=False)
+            tokens += ids.shape[1]
+    finally:
+        for p in trainable:
+            p.requires_grad_(True)
+    return tokens
+
+
 def key_statistics(model: nn.Module, sequences: torch.Tensor, gradients: bool = False) -> list[KeyStatistics]:
     """Per decoder layer of transformers' causal LM `model`, its KeyStatistics over `sequences` (N, T)."""
     layers = model.model.layers
@@ -84,26 +109,11 @@ def key_statistics(model: nn.Module, sequences: torch.Tensor, gradients: bool = 
     for layer, entry in zip(layers, stats):
         handles.append(key_module(layer.self_attn).register_forward_hook(on_key(entry, heads_first_keys(model, layer.self_attn))))
         handles.append(query_module(layer.self_attn).register_forward_hook(on_query(entry, heads_first_keys(model, layer.self_attn))))
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    for p in trainable:
-        p.requires_grad_(False)  # the gradients wanted are the keys', not the weights'
-    tokens = 0
     try:
-        for sequence in sequences:
-            ids = sequence.unsqueeze(0)
-            if gradients:
-                embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
-                logits = model(inputs_embeds=embeds, use_cache=False).logits[0, :-1]
-                nn.functional.cross_entropy(logits.float(), ids[0, 1:], reduction="sum").backward()
-            else:
-                with torch.no_grad():
-                    model(ids, use_cache=False)
-            tokens += ids.shape[1]
+        tokens = run_sequences(model, sequences, gradients)
     finally:
         for handle in handles:
             handle.remove()
-        for p in trainable:
-            p.requires_grad_(True)
     for entry in stats:
         entry.C /= tokens
         entry.q2 /= tokens

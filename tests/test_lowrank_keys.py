@@ -300,6 +300,43 @@ def test_the_joint_kv_plan_drops_attention_and_keeps_the_best_candidate(checkpoi
     assert ("### Dropped attention" in card and "--kv-plan joint" in card) or "low-rank values in" in card
 
 
+@pytest.mark.slow
+def test_the_peers_score_the_plan_at_other_budgets_and_the_own_point_is_the_untrained_conversion(checkpoints, tmp_path):
+    """`--kv-plan keys-values --kv-budget 0.6` without training on Qwen3 (k_norm: the keys' statistics come from after
+    it): the peers step scores the plan at FRONTIER_BUDGETS and at its own budget, training-free, as projections in
+    transformers' model. Each point caches what its budget allows, no two are the same model, and the point at
+    the conversion's own budget is the streamed conversion itself (nothing was trained): its perplexity on every text
+    equals the validated one. The card draws the frontier in the trade-off plot and lists it."""
+    import json
+
+    from test_families import FAST
+    from typer.testing import CliRunner
+
+    from hfcompress.cli import app
+    from hfcompress.keys.method import FRONTIER_BUDGETS
+
+    out = tmp_path / "out"
+    fast = [arg for arg in FAST if arg not in ("--fasc-budget", "0.8")]
+    args = ["convert", str(checkpoints["qwen3"]), "--out", str(out), *fast, "--share-ratio", "0",
+            "--kv-plan", "keys-values", "--kv-budget", "0.6", "--peers"]  # fmt: skip
+    result = CliRunner().invoke(app, args, env={"HFCOMPRESS_CACHE": str(tmp_path / "cache")})
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "hfcompress_report.json").read_text())
+    frontier = report["peers"]["frontier"]
+    assert [point["budget"] for point in frontier] == sorted({*FRONTIER_BUDGETS, 0.6}, reverse=True)
+    assert all(point["kv_ratio"] <= point["budget"] + 1e-9 for point in frontier)
+    assert [p["kv_ratio"] for p in frontier] == sorted((p["kv_ratio"] for p in frontier), reverse=True)
+    own = next(point for point in frontier if point["budget"] == 0.6)
+    values = report["keys"]["kv_values_per_token"]
+    assert own["kv_ratio"] == values["converted"] / values["original"]
+    for text in report["validation"]["texts"]:
+        assert own["perplexity"][text["eval_text"]] == pytest.approx(text["converted"]["perplexity"], rel=1e-4)
+        # a random tiny model's perplexity barely moves, but every point is its own model
+        assert frontier[-1]["perplexity"][text["eval_text"]] != pytest.approx(frontier[0]["perplexity"][text["eval_text"]], rel=1e-7)
+    card = (out / "README.md").read_text()
+    assert "| keys-values at 0.5 |" in card and "plots/tradeoff.png" in card and (out / "plots" / "tradeoff.png").exists()
+
+
 def test_a_kv_budget_for_the_joint_plan_only_is_refused_for_keys_alone(tmp_path):
     from typer.testing import CliRunner
 

@@ -10,6 +10,7 @@ and calls every registered method at fixed points; it never knows what a method 
     apply(ctx, state)         convert pass, every layer in depth order: the layer's converted tensors
     config_entries()          the keys of the converted config.json the modeling code reads
     report()                  its section of hfcompress_report.json and of the card
+    frontier()                its plan at other KV budgets, which the peers step scores training-free for the card
 
 Finishers (distillation) run afterwards on the whole converted model, if it fits: `finish(student, teacher,
 sequences)`. A new method is a class in its own module, registered with @register and imported by registry.py;
@@ -52,6 +53,20 @@ class Planner:
     # perplexity of the streamed conversion by `methods` alone, on calibration text the fits never saw
     selection_perplexity: Callable[[list["Method"]], float] | None = None
     notes: dict = field(default_factory=dict)
+
+
+@dataclass
+class FrontierPoint:
+    """A method's plan at another KV budget, as the peers step scores it on the original model, training-free: its keys
+    and values projected on the latents' subspaces (layer -> (width, width) projector; a cached latent gives exactly
+    these scores) and its dropped attentions."""
+
+    name: str
+    budget: float  # the --kv-budget it was planned for
+    kv_ratio: float  # KV values a token it caches, relative to the original's
+    key_projectors: dict[int, torch.Tensor] = field(default_factory=dict)
+    value_projectors: dict[int, torch.Tensor] = field(default_factory=dict)
+    dropped_attention: list[int] = field(default_factory=list)
 
 
 class Method(ABC):
@@ -114,6 +129,11 @@ class Method(ABC):
 
     def report(self) -> dict:
         return {}
+
+    def frontier(self) -> list[FrontierPoint]:
+        """Its plan at other budgets, for the card's frontier (known once plan has run); empty for a method without a KV
+        budget."""
+        return []
 
     def changed_layers(self) -> dict[str, list[int]]:
         """The layers its plan changed, by kind of change (known once plan has run): what --back-off lowers. Empty for

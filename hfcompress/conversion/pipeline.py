@@ -35,7 +35,7 @@ from .config import ConvertOptions
 from ..errors import GATE_FAILED_EXIT, HfcompressError
 from ..evidence.gate import quality_gate, refuse_non_finite
 from ..memory import return_freed_memory
-from .methods import Finisher, Method
+from .methods import Finisher, FrontierPoint, Method
 from .output import save_rest, write_output
 from .passes import Converted, calibrate, convert_layers, plan
 from ..evidence.peers import kv_values_per_token
@@ -86,7 +86,7 @@ def _convert_steps(options: ConvertOptions, argv: list[str] | None) -> Report:
         )  # fmt: skip
         options = fewer[0]
     if run.processes.is_main:  # probe, peers, speed: only for the attempt that is written
-        whole.check(run, converted.config, converted.layer_files, results)
+        whole.check(run, converted.config, converted.layer_files, results, frontier_points(methods))
     report = build_report(run, methods, whole, results, converted.perplexities)
     if tried:
         report.back_off = [*tried, attempt_record(run, converted, methods, gate_rows, gate_passed)]
@@ -136,6 +136,13 @@ def _plan_entry(value) -> str:
     if isinstance(value, dict):
         return ", ".join(f"{name}={v}" for name, v in value.items()) or "none"
     return str(value)
+
+
+def frontier_points(methods: list[Method]) -> list[FrontierPoint]:
+    """The frontier of the one active method that changed layers (its plan at other budgets, Method.frontier); none
+    where several did: the peers step scores a plan alone, which would then not be the conversion's."""
+    changing = [m for m in methods if m.active() and any(m.changed_layers().values())]
+    return changing[0].frontier() if len(changing) == 1 else []
 
 
 def changes(methods: list[Method]) -> int:

@@ -24,7 +24,7 @@ from ..distill import DistillData, trainable_parameters
 from ..errors import HfcompressError
 from ..families import family_of
 from ..memory import available_memory
-from .methods import Finisher
+from .methods import Finisher, FrontierPoint
 from ..evidence.peers import compute_peers, speed_peers
 from ..evidence.probe import run_probe
 from ..progress import console
@@ -107,10 +107,10 @@ class WholeModelSteps:
                 self._distill(run, original, config, work, layer_files, data, results)
         return results
 
-    def check(self, run, config, layer_files: list[str], results: WholeModelResults) -> None:
-        """The factual probe, the training-free peers and the speed comparison of the finished model (the layer files in
-        `results.layers_dir`), into `results`. Only for the attempt that is written: --back-off's failed attempts skip
-        them."""
+    def check(self, run, config, layer_files: list[str], results: WholeModelResults, frontier: list[FrontierPoint] = ()) -> None:
+        """The factual probe, the training-free peers (with the `frontier` of the conversion's plan) and the speed
+        comparison of the finished model (the layer files in `results.layers_dir`), into `results`. Only for the attempt
+        that is written: --back-off's failed attempts skip them."""
         if not (self.probe or self.speed or self.peers):
             self.release()
             return
@@ -123,7 +123,7 @@ class WholeModelSteps:
             with run.step("validate: training-free peers"):
                 results.peers = compute_peers(
                     original.to(run.device), config, run.sequences, streams.evaluations, run.options.eval_context,
-                    run.options.eval_tokens, streams.prefix,
+                    run.options.eval_tokens, streams.prefix, frontier,
                 )  # fmt: skip
                 original.to("cpu")
         if self.speed:

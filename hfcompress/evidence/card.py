@@ -290,8 +290,15 @@ def peers_view(report: dict) -> dict | None:
         layers = f" (layers {', '.join(map(str, peer['layers']))})" if peer["layers"] else ""
         decode = shown[peer["name"]]["decode_speedup"] if peer["name"] in shown else None
         rows.append({"name": peer["name"] + layers, "kv_ratio": peer["kv_ratio"], "perplexity": perplexities_on(peer, texts), "decode": decode})
+    frontier = [
+        {"name": point["name"], "kv_ratio": point["kv_ratio"], "perplexity": perplexities_on(point, texts),
+         "dropped": point["dropped_attention_layers"]}
+        for point in sorted(peers.get("frontier") or [], key=lambda point: -point["kv_ratio"])
+    ]  # fmt: skip
     return {
         "texts": [t["eval_text"].split(" (")[0] for t in texts],
+        "frontier": frontier,
+        "own_budget": (report.get("keys") or {}).get("kv_budget"),
         "timed": bool(timed),
         "untrusted_speed": untrusted,
         "rows": rows,

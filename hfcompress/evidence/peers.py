@@ -9,6 +9,9 @@ At the conversion's own KV saving (the KV values a token its layers cache, again
 - PCA of the keys (Palu-style, no training): every layer's pre-RoPE keys projected on their top principal directions
   (hfcompress.keys, criterion `pca`, layout `pre`), one width for all layers, the widest that saves at least the
   conversion's KV values a token; a cache of the latent would hold that width instead of the keys.
+Beside them, the frontier of this conversion's own KV plan: the plan it chose, made at other budgets (and its own) and
+scored the same way, training-free (Method.frontier: its keys and values projected on the latents' subspaces, its
+dropped attentions removed), so the card shows what the plan trades at each saving and what distillation added.
 k is the fewest layers that save at least the conversion's KV values a token, and, where it saves less, one fewer.
 The original runs in transformers' own classes; a removed block is a forward hook (its output zeroed, or the layer's
 input passed through), and so are the projected keys, so every peer is exactly that model, nothing approximated. Block
@@ -32,8 +35,9 @@ from torch import nn
 from accelerate import init_empty_weights
 
 from ..conversion.build import assemble, converted_config
+from ..conversion.methods import FrontierPoint
 from ..families import family_of
-from ..keys import KeySubspace, key_statistics, projected_keys
+from ..keys import KeySubspace, key_statistics, projected_keys, projected_values
 from ..conversion.layer_plan import kv_values
 from ..progress import console, progress_bar
 from .validate import perplexity
@@ -229,10 +233,10 @@ def kv_peer_unavailable(config) -> str | None:
 
 def compute_peers(
     original: nn.Module, converted_config, sequences: torch.Tensor, evaluations: dict[str, torch.Tensor],
-    context: int, max_tokens: int | None, prefix: list[int],
+    context: int, max_tokens: int | None, prefix: list[int], frontier: list[FrontierPoint] = (),
 ) -> dict:  # fmt: skip
-    """The peers at the conversion's KV saving (see the module docstring), each scored on every gated text; the
-    original in transformers' classes on its device. Returns the report section."""
+    """The peers at the conversion's KV saving and the `frontier` points of its plan (see the module docstring), each
+    scored on every gated text; the original in transformers' classes on its device. Returns the report section."""
     config = original.config
     kept = kv_values_per_token(config)
     saved = kept - kv_values_per_token(converted_config)
@@ -273,8 +277,17 @@ def compute_peers(
         for text, ids in evaluations.items():
             values[text], ratio = quantized_cache_perplexity(original, ids, context, max_tokens, prefix)
         peers.append(Peer(f"{KV_BITS}-bit KV cache (quanto)", "kv-quantized", ratio, values, [], round(time.perf_counter() - start, 1)))
+    points = []
+    for point in frontier:
+        start = time.perf_counter()
+        with (projected_keys(original, point.key_projectors), projected_values(original, point.value_projectors),
+              removed(original, attention=point.dropped_attention)):  # fmt: skip
+            values = scored(f"plan {point.name}")
+        points.append({"name": point.name, "budget": point.budget, "kv_ratio": point.kv_ratio, "perplexity": values,
+                       "dropped_attention_layers": point.dropped_attention, "seconds": round(time.perf_counter() - start, 1)})  # fmt: skip
     return {
         "kv_values_per_token": {"original": kept, "converted": kept - saved},
+        "frontier": points,
         "block_influence": {"attention": attention_bi, "layer": layer_bi, "sequences": min(len(sequences), INFLUENCE_SEQUENCES)},
         "peers": [p.to_dict() for p in peers],
         "skipped": skipped,

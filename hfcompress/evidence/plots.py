@@ -125,8 +125,8 @@ def learning_curve(record: dict, path: Path) -> Path:
 
 def tradeoff(report: dict, path: Path) -> Path:
     """Perplexity against KV cache a token, and, where the speed run timed the peers, against decode speed (both
-    relative to the original), one panel per gated text: the original, this conversion and the training-free peers
-    (peers.py)."""
+    relative to the original), one panel per gated text: the original, this conversion, the frontier of its plan at
+    other budgets (training-free) and the training-free peers (peers.py)."""
     peers, texts = report["peers"], report["validation"]["texts"]
     values = peers["kv_values_per_token"]
     speed = report.get("speed") or {}
@@ -145,6 +145,10 @@ def tradeoff(report: dict, path: Path) -> Path:
             if measure == "kv" and tried:  # the plans --back-off tried before this one, each on its own KV cache
                 ax.scatter([a["kv_ratio"] for a in tried], [text["original"]["perplexity"] * (1 + a["texts"][i]["perplexity_increase_pct"] / 100) for a in tried],
                            marker="x", color="tab:green", label="gate failed (back-off)", zorder=3)  # fmt: skip
+            frontier = sorted(peers.get("frontier") or [], key=lambda point: point["kv_ratio"])
+            if measure == "kv" and frontier:  # this conversion's plan at other budgets, training-free (peers.py)
+                ax.plot([p["kv_ratio"] for p in frontier], [perplexities_on(p, texts)[i] for p in frontier], marker=".",
+                        linestyle="--", color="tab:green", alpha=0.7, label="this plan, training-free", zorder=2)  # fmt: skip
             for kind, (marker, color) in styles.items():
                 rows = [p for p in peers["peers"] if p["kind"] == kind and (measure == "kv" or p["name"] in timed)]
                 if rows:
@@ -155,7 +159,7 @@ def tradeoff(report: dict, path: Path) -> Path:
             ax.set_title(text["eval_text"].split(" (")[0], fontsize=9)
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
-    fig.suptitle("Against training-free peers at this KV saving (lower is better)", fontsize=9)
+    fig.suptitle("Against training-free peers at this KV saving, and this plan at other budgets (lower is better)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -30,7 +30,7 @@ from ..conversion.atomic import save_atomic
 from ..conversion.calibrate import LinearStats
 from ..errors import HfcompressError
 from ..conversion.layer_plan import kv_values
-from ..conversion.methods import LayerContext, Method, Planner, register
+from ..conversion.methods import FrontierPoint, LayerContext, Method, Planner, register
 from ..lisa.weights import without_attention
 from ..progress import console
 from ..remote import import_remote
@@ -43,6 +43,8 @@ CRITERION, LAYOUT = "fisher", "pre"
 # the joint plan's latent widths: twelfths of the layer's key width (multiples of 8) and MIN_KEY_RANK, twelve
 # measured actions a layer at any width (SmolLM2's 192: 8, 16, 32, ..., 176)
 JOINT_STEPS = 12
+# the budgets the card's frontier scores this conversion's plan at, training-free (beside its own)
+FRONTIER_BUDGETS = (0.9, 0.75, 0.6, 0.5)
 
 
 class KeyOutput:
@@ -141,6 +143,12 @@ class KeysMethod(Method):
         self.value_subspaces: dict[int, KeySubspace] = {}
         self.candidates: list[dict] = []  # the joint plan's candidates, scored
         self.chosen_plan = options.plan  # the joint plan's best candidate
+        # what the plan step found, for plans at other budgets (frontier): the layers that keep their attention, the
+        # shared layers' cached values, the key width, the joint plan's measured action costs
+        self.kept: list[int] = []
+        self.shared: dict[int, int] = {}
+        self.width = 0
+        self.costs: dict[int, dict] = {}
 
     @classmethod
     def from_options(cls, options) -> "KeysMethod":
@@ -205,12 +213,12 @@ class KeysMethod(Method):
                       selection tokens (the other methods' changes not applied), and the best is kept: the estimates
                       are of single actions, which interact, so the joint plan is never worse there than its parts."""
         config = planner.config
-        width, layers = key_width(config), planner.num_layers
+        self.width, layers = key_width(config), planner.num_layers
         dropped = set(planner.notes.get("dropped_attention_layers", []))
-        shared = planner.notes.get("shared_kv_values", {})  # layer -> values a shared layer caches
-        kept = [i for i in range(layers) if i not in dropped and i not in shared]
-        budget = self.options.kv_budget * kv_values(config, 0, 0)["keep"] * layers
-        saved = {idx: torch.load(self.store / f"keys-{idx}.pt") for idx in kept}
+        self.shared = planner.notes.get("shared_kv_values", {})  # layer -> values a shared layer caches
+        self.kept = [i for i in range(layers) if i not in dropped and i not in self.shared]
+        saved = {idx: torch.load(self.store / f"keys-{idx}.pt") for idx in self.kept}
+        self.costs = {idx: s["costs"] for idx, s in saved.items()} if self.options.plan == "joint" else {}
 
         def subspaces_of(c: str, g: str) -> dict[int, KeySubspace]:
             return {
@@ -220,39 +228,52 @@ class KeysMethod(Method):
 
         self.subspaces = subspaces_of("C", "G")
         self.value_subspaces = subspaces_of("Cv", "Gv") if self.options.plan != "keys" else {}
+        self.values = {"original": kv_values(config, 0, 0)["keep"] * layers}
+        budget = self.options.kv_budget
         if self.options.plan == "joint":
-            chosen = self.joint_plan({idx: s["costs"] for idx, s in saved.items()}, shared, budget, width)
-            candidates = {"joint": KeyPlan(
-                dropped=sorted(idx for idx, option in chosen.items() if option.action == "drop"),
-                sizes={idx: option.width or width for idx, option in chosen.items() if option.action != "drop"},
-                estimates={idx: max(option.cost, 0.0) for idx, option in chosen.items()},
-            )}  # fmt: skip
+            candidates = {"joint": self.plan_named("joint", budget)}
             for name in ("keys", "keys-values"):
                 try:
-                    candidates[name] = self.surrogate_plan(name, kept, budget - sum(shared.values()), width)
+                    candidates[name] = self.plan_named(name, budget)
                 except HfcompressError:
                     continue  # below what that plan reaches
-            self.chosen_plan = self.best_candidate(planner, candidates, width)
+            self.chosen_plan = self.best_candidate(planner, candidates)
             plan = candidates[self.chosen_plan]
         else:
             self.chosen_plan = self.options.plan
-            plan = self.surrogate_plan(self.options.plan, kept, budget - sum(shared.values()), width)
+            plan = self.plan_named(self.chosen_plan, budget)
         self.dropped = plan.dropped
         if self.dropped:  # FASC (planned next) leaves a dropped attention's linears alone
             planner.notes["dropped_attention_layers"] = sorted({*dropped, *self.dropped})
-        self.set_plan(plan, kept, width)
-        cached = sum(plan.sizes.values()) + sum(plan.value_sizes.get(idx, width) for idx in plan.sizes) + sum(shared.values())
-        self.values = {"original": kv_values(config, 0, 0)["keep"] * layers, "converted": cached}
+        self.set_plan(plan)
+        self.values["converted"] = self.cached_values(plan)
 
-    def surrogate_plan(self, name: str, kept: list[int], values: int, width: int) -> "KeyPlan":
-        """The widths of plan `name` (keys, keys-values) for `values` cached values a token over the layers `kept`."""
-        values = int(values)
+    def cached_values(self, plan: "KeyPlan") -> int:
+        """Values a token the whole model caches with `plan` (the shared layers' included)."""
+        width = self.width
+        return sum(plan.sizes.values()) + sum(plan.value_sizes.get(idx, width) for idx in plan.sizes) + sum(self.shared.values())
+
+    def plan_named(self, name: str, budget: float) -> "KeyPlan":
+        """The plan `name` (keys, keys-values, joint) of the layers that keep their attention, for the whole model's
+        KV cache at `budget` of the original's; HfcompressError where it cannot reach that."""
+        values = budget * self.values["original"] - sum(self.shared.values())
+        if name == "joint":
+            chosen = self.joint_plan(values, budget)
+            return KeyPlan(
+                dropped=sorted(idx for idx, option in chosen.items() if option.action == "drop"),
+                sizes={idx: option.width or self.width for idx, option in chosen.items() if option.action != "drop"},
+                estimates={idx: max(option.cost, 0.0) for idx, option in chosen.items()},
+            )  # fmt: skip
+        return self.surrogate_plan(name, values, budget)
+
+    def surrogate_plan(self, name: str, values: float, budget: float) -> "KeyPlan":
+        """The widths of plan `name` (keys, keys-values) for `values` cached values a token over the kept layers."""
+        values, kept, width = int(values), self.kept, self.width
         if name == "keys-values":
             if values < 2 * MIN_KEY_RANK * len(kept):
                 raise HfcompressError(
-                    f"--kv-budget {self.options.kv_budget} leaves {max(values, 0)} key and value values a token for "
-                    f"the {len(kept)} layers that keep their attention, fewer than {MIN_KEY_RANK} of each: give a "
-                    "larger --kv-budget."
+                    f"--kv-budget {budget:g} leaves {max(values, 0)} key and value values a token for the {len(kept)} "
+                    f"layers that keep their attention, fewer than {MIN_KEY_RANK} of each: give a larger --kv-budget."
                 )  # fmt: skip
             subs = [*(self.subspaces[i] for i in kept), *(self.value_subspaces[i] for i in kept)]
             both = plan_sizes(subs, values, floor=MIN_KEY_RANK)
@@ -260,13 +281,30 @@ class KeysMethod(Method):
         for_keys = values - width * len(kept)
         if for_keys < MIN_KEY_RANK * len(kept):
             raise HfcompressError(
-                f"--kv-budget {self.options.kv_budget} leaves {max(for_keys, 0)} key values a token for the "
-                f"{len(kept)} layers that keep their attention, fewer than {MIN_KEY_RANK} each: give a larger "
-                "--kv-budget, or --kv-plan keys-values or joint."
+                f"--kv-budget {budget:g} leaves {max(for_keys, 0)} key values a token for the {len(kept)} layers that "
+                f"keep their attention, fewer than {MIN_KEY_RANK} each: give a larger --kv-budget, or --kv-plan "
+                "keys-values or joint."
             )  # fmt: skip
         return KeyPlan(sizes=dict(zip(kept, plan_sizes([self.subspaces[i] for i in kept], for_keys, floor=MIN_KEY_RANK))))
 
-    def best_candidate(self, planner: Planner, candidates: dict[str, "KeyPlan"], width: int) -> str:
+    def frontier(self) -> list[FrontierPoint]:
+        """The plan this conversion chose at FRONTIER_BUDGETS and at its own budget, each it reaches: per point the
+        projectors on the original's keys and values that its latents give, and the attentions it drops."""
+        points = []
+        for budget in sorted({*FRONTIER_BUDGETS, self.options.kv_budget}, reverse=True):
+            try:
+                plan = self.plan_named(self.chosen_plan, budget)
+            except HfcompressError:
+                continue  # below what this plan reaches on this model
+            points.append(FrontierPoint(
+                f"{self.chosen_plan} at {budget:g}", budget, self.cached_values(plan) / self.values["original"],
+                key_projectors={i: self.subspaces[i].projector(n) for i, n in plan.sizes.items() if n < self.width},
+                value_projectors={i: self.value_subspaces[i].projector(n) for i, n in plan.value_sizes.items() if n < self.width},
+                dropped_attention=plan.dropped,
+            ))  # fmt: skip
+        return points
+
+    def best_candidate(self, planner: Planner, candidates: dict[str, "KeyPlan"]) -> str:
         """The candidate of least selection perplexity (each applied alone, training-free), recorded for the report."""
         self.candidates = []
         if planner.selection_perplexity is None or len(candidates) == 1:
@@ -274,18 +312,19 @@ class KeysMethod(Method):
         for name, plan in candidates.items():
             variant = KeysMethod(self.options)
             variant.store, variant.subspaces, variant.value_subspaces = self.store, self.subspaces, self.value_subspaces
-            variant.dropped = plan.dropped
-            variant.set_plan(plan, [*plan.sizes, *plan.dropped], width)
+            variant.width, variant.dropped = self.width, plan.dropped
+            variant.set_plan(plan)
             perplexity = planner.selection_perplexity([variant])
             self.candidates.append({"plan": name, "selection_perplexity": perplexity, "dropped_attention_layers": plan.dropped})
             console.log(f"kv plan: candidate {name}: selection perplexity {perplexity:.3f}")
         return min(self.candidates, key=lambda row: row["selection_perplexity"])["plan"]
 
-    def set_plan(self, plan: "KeyPlan", kept: list[int], width: int) -> None:
-        """The ranks, factors and report rows of `plan` (layers `kept`, in order)."""
+    def set_plan(self, plan: "KeyPlan") -> None:
+        """The ranks, factors and report rows of `plan`."""
         self.ranks, self.factors, self.rows = {}, {}, []
         self.value_ranks, self.value_factors = {}, {}
-        for idx in sorted(kept):
+        width = self.width
+        for idx in sorted([*plan.sizes, *plan.dropped]):
             if idx in plan.dropped:
                 row = {"layer": idx, "action": "drop", "rank": 0, "width": width, "estimated_loss": plan.estimates[idx]}
                 self.rows.append(row)
@@ -304,21 +343,21 @@ class KeysMethod(Method):
                 self.value_ranks[idx] = value_size
                 self.value_factors[idx] = latent_factors(self.value_subspaces[idx], value_size)
 
-    def joint_plan(self, costs: dict[int, dict], shared: dict[int, int], budget: float, width: int) -> dict[int, Option]:
+    def joint_plan(self, values: float, budget: float) -> dict[int, Option]:
         """One Option per layer that keeps its attention: keep, keys at a latent width or drop (not layer 0, whose
         attention every model keeps, nor below a shared layer: it reads the attention of the layer below), least summed
-        estimated loss within the budget."""
-        anchors = {0, *(layer - 1 for layer in shared)}
+        estimated loss within `values` cached a token (the whole model's `budget`)."""
+        anchors, width = {0, *(layer - 1 for layer in self.shared)}, self.width
         menus = {}
-        for idx, measured in costs.items():
+        for idx, measured in self.costs.items():
             menu = [Option("keep", 2 * width, 0.0)]
             menu += [Option("keys", width + n, measured[str(n)], n) for n in joint_widths(width)]
             menus[idx] = menu + ([Option("drop", 0, measured["drop"])] if idx not in anchors else [])
         try:
-            return plan_layers(menus, budget - sum(shared.values()))
+            return plan_layers(menus, values)
         except ValueError:
             raise HfcompressError(
-                f"--kv-budget {self.options.kv_budget} is below what this model can reach with the layers LISA shares "
+                f"--kv-budget {budget:g} is below what this model can reach with the layers LISA shares "
                 "(they keep their cache, and so do the layers they read): give a larger --kv-budget."
             ) from None
 

@@ -155,6 +155,7 @@ def convert(
     lisa_batch_size: int = option(LisaOptions, "batch_size"),
     kv_budget: float = option(KeyOptions, "kv_budget"),
     kv_plan: str = option(KeyOptions, "plan"),
+    kv_ppl_budget: float = option(KeyOptions, "ppl_budget"),
     fasc_budget: float = option(FascOptions, "budget"),
     fasc_method: str = option(FascOptions, "method"),
     fasc_targets: str = option(FascOptions, "targets", default=",".join(FascOptions.targets)),
@@ -231,7 +232,7 @@ def convert(
                 batch_size=lisa_batch_size,
                 seed=seed,
             ),
-            keys=KeyOptions(kv_budget=kv_budget, plan=kv_plan),
+            keys=KeyOptions(kv_budget=kv_budget, plan=kv_plan, ppl_budget=kv_ppl_budget),
             fasc=FascOptions(
                 method=fasc_method,
                 budget=fasc_budget,

@@ -260,6 +260,67 @@ def test_back_off_raises_the_kv_budget_by_the_overshoot():
     assert fewer_changes(options, methods, rows) is None
 
 
+@pytest.mark.parametrize("plan", ["keys", "keys-values"])
+def test_kv_ppl_budget_finds_the_lowest_budget_within_the_limit(plan, tmp_path):
+    """--kv-ppl-budget 20: with a selection perplexity that grows as the plan caches less (here exp(2 (1 - KV ratio))
+    times the original's), the search keeps the lowest budget on its 0.025 grid whose plan stays within +20%, the next
+    step down is over it, every probe is reported, and the back-off after it raises that budget, searching nothing."""
+    import math
+
+    from transformers import LlamaConfig
+
+    from hfcompress.conversion.methods import Planner
+    from hfcompress.keys import KeyOptions, KeysMethod
+    from hfcompress.keys.method import SEARCH_STEP
+
+    config = LlamaConfig(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, hidden_size=64, head_dim=16)
+    width, generator = 32, torch.Generator().manual_seed(0)
+    for idx in range(4):
+        factors = [torch.randn(width, width, generator=generator, dtype=torch.float64) for _ in range(4)]
+        C, G, Cv, Gv = (f @ f.T / width for f in factors)
+        torch.save({"C": C, "G": G, "Cv": Cv, "Gv": Gv, "costs": {}}, tmp_path / f"keys-{idx}.pt")
+
+    def ratio(method) -> float:
+        cached = sum(method.ranks.get(i, width) + method.value_ranks.get(i, width) for i in range(4))
+        return cached / (2 * width * 4)
+
+    def selection_perplexity(methods) -> float:
+        return 10.0 * (math.exp(2 * (1 - ratio(methods[0]))) if methods else 1.0)
+
+    method = KeysMethod(KeyOptions(kv_budget=0.5 if plan == "keys-values" else 0.55, plan=plan, ppl_budget=20))
+    method.store = tmp_path
+    method.plan(Planner(config, 4, selection_perplexity, {"tokens": 4096, "context": 512}))
+    search = method.search
+    assert search["limit"] == pytest.approx(12.0) and search["probes"]
+    assert all(p["within_budget"] == (p["perplexity"] <= 12.0) for p in search["probes"])
+    assert selection_perplexity([method]) <= 12.0 < selection_perplexity([method]) * math.exp(2 * SEARCH_STEP)
+    lower = KeysMethod(KeyOptions(kv_budget=round(method.budget - SEARCH_STEP, 4), plan=plan))
+    lower.store = tmp_path
+    lower.plan(Planner(config, 4, selection_perplexity, {"tokens": 4096, "context": 512}))
+    assert selection_perplexity([lower]) > 12.0  # the next step down is over the limit
+    assert method.report()["kv_budget"] == method.budget < 1.0 and method.report()["search"] == search
+    from hfcompress.conversion.config import ConvertOptions
+
+    raised, words = method.with_fewer_changes(ConvertOptions(source="x", out=tmp_path, keys=method.options), 1)
+    assert raised.keys.ppl_budget is None and raised.keys.kv_budget > method.budget and words.startswith("--kv-budget")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--kv-ppl-budget", "0"], "--kv-ppl-budget must be a percentage > 0"),
+        (["--kv-ppl-budget", "5", "--kv-budget", "1.0"], "give --kv-budget the lowest budget you accept"),
+    ],
+)
+def test_a_kv_ppl_budget_it_cannot_search_is_refused_before_any_model_work(args, message, tmp_path):
+    from typer.testing import CliRunner
+
+    from hfcompress.cli import app
+
+    result = CliRunner().invoke(app, ["convert", str(tmp_path / "missing"), "--out", str(tmp_path / "o"), *args])
+    assert result.exit_code == 2 and message in " ".join(result.output.split()) and not (tmp_path / "o").exists()
+
+
 @pytest.mark.slow
 def test_the_joint_kv_plan_drops_attention_and_keeps_the_best_candidate(checkpoints, tmp_path):
     """`--kv-plan joint --kv-budget 0.45`: below what keys alone reach (every layer keeps V, half the cache), so the

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from ..errors import HfcompressError
+
 # --layer-plan: what the ratio and the search may do to a layer ("share" keeps LISA's own ranking: lisa.ranked_candidates)
 PLAN_KINDS = ("share", "drop", "mixed")
 FIT_RESIDUAL = 0.07
@@ -107,6 +109,19 @@ def plan_sequence(actions: list[Action], max_chain: int | None = None) -> list[L
         if len(bigger) < len(plans):
             return plans
         plans.append(bigger)
+
+
+def selection_limit(planner, percent: float, flag: str) -> tuple[float, float]:
+    """(the original's selection perplexity, the limit `percent` above it) for a perplexity search given by `flag`
+    (planner: methods.Planner); refused when the selection text is shorter than one evaluation window."""
+    tokens, context = planner.notes["tokens"], planner.notes["context"]
+    if tokens < context:
+        raise HfcompressError(
+            f"{flag} needs {context} calibration tokens beyond the calibration sequences, the text has {tokens}: give a "
+            "longer --calib-text or fewer --calib-sequences."
+        )
+    base = planner.selection_perplexity([])
+    return base, base * (1 + percent / 100)
 
 
 def largest_within(most: int, value_of: Callable[[int], float], limit: float) -> tuple[int, list[dict]]:

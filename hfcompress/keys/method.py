@@ -21,6 +21,7 @@ The pre-RoPE latent was chosen over the RoPE-commuting one by measurement (docs/
 SmolLM2, +2.6% against +37% held-out perplexity, training-free.
 """
 
+import math
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
@@ -29,7 +30,7 @@ from torch import nn
 from ..conversion.atomic import save_atomic
 from ..conversion.calibrate import LinearStats
 from ..errors import HfcompressError
-from ..conversion.layer_plan import kv_values
+from ..conversion.layer_plan import kv_values, largest_within, selection_limit
 from ..conversion.methods import FrontierPoint, LayerContext, Method, Planner, register
 from ..lisa.weights import without_attention
 from ..progress import console
@@ -43,6 +44,7 @@ CRITERION, LAYOUT = "fisher", "pre"
 # the joint plan's latent widths: twelfths of the layer's key width (multiples of 8) and MIN_KEY_RANK, twelve
 # measured actions a layer at any width (SmolLM2's 192: 8, 16, 32, ..., 176)
 JOINT_STEPS = 12
+SEARCH_STEP = 0.025  # --kv-ppl-budget's resolution, in fractions of the original's KV cache
 # the budgets the card's frontier scores this conversion's plan at, training-free (beside its own)
 FRONTIER_BUDGETS = (0.9, 0.75, 0.6, 0.5)
 
@@ -149,6 +151,9 @@ class KeysMethod(Method):
         self.shared: dict[int, int] = {}
         self.width = 0
         self.costs: dict[int, dict] = {}
+        self.budget = options.kv_budget  # the budget planned for: --kv-budget, or what --kv-ppl-budget's search found
+        self.search: dict | None = None  # --kv-ppl-budget's probes
+        self.scores: dict[tuple[str, float], float] = {}  # (candidate, budget) -> selection perplexity
 
     @classmethod
     def from_options(cls, options) -> "KeysMethod":
@@ -211,7 +216,9 @@ class KeysMethod(Method):
         joint         one action per layer, keep, a key latent width or drop, of least estimated loss within the budget;
                       then this plan and the two above (where the budget lets them) are scored for real on the
                       selection tokens (the other methods' changes not applied), and the best is kept: the estimates
-                      are of single actions, which interact, so the joint plan is never worse there than its parts."""
+                      are of single actions, which interact, so the joint plan is never worse there than its parts.
+        The budget is --kv-budget, or with --kv-ppl-budget the lowest down to it whose plan keeps the selection
+        perplexity within that percentage (search_budget)."""
         config = planner.config
         self.width, layers = key_width(config), planner.num_layers
         dropped = set(planner.notes.get("dropped_attention_layers", []))
@@ -229,19 +236,10 @@ class KeysMethod(Method):
         self.subspaces = subspaces_of("C", "G")
         self.value_subspaces = subspaces_of("Cv", "Gv") if self.options.plan != "keys" else {}
         self.values = {"original": kv_values(config, 0, 0)["keep"] * layers}
-        budget = self.options.kv_budget
-        if self.options.plan == "joint":
-            candidates = {"joint": self.plan_named("joint", budget)}
-            for name in ("keys", "keys-values"):
-                try:
-                    candidates[name] = self.plan_named(name, budget)
-                except HfcompressError:
-                    continue  # below what that plan reaches
-            self.chosen_plan = self.best_candidate(planner, candidates)
-            plan = candidates[self.chosen_plan]
-        else:
-            self.chosen_plan = self.options.plan
-            plan = self.plan_named(self.chosen_plan, budget)
+        self.budget = self.search_budget(planner) if self.options.ppl_budget is not None else self.options.kv_budget
+        candidates = self.candidate_plans(self.budget)
+        self.chosen_plan = self.best_candidate(planner, candidates)
+        plan = candidates[self.chosen_plan]
         self.dropped = plan.dropped
         if self.dropped:  # FASC (planned next) leaves a dropped attention's linears alone
             planner.notes["dropped_attention_layers"] = sorted({*dropped, *self.dropped})
@@ -252,6 +250,62 @@ class KeysMethod(Method):
         """Values a token the whole model caches with `plan` (the shared layers' included)."""
         width = self.width
         return sum(plan.sizes.values()) + sum(plan.value_sizes.get(idx, width) for idx in plan.sizes) + sum(self.shared.values())
+
+    def candidate_plans(self, budget: float) -> dict[str, "KeyPlan"]:
+        """The plans to choose from at `budget`: the --kv-plan's own; for joint, the joint plan and the keys and
+        keys-values plans where the budget lets them. HfcompressError where the --kv-plan's own cannot reach it."""
+        candidates = {self.options.plan: self.plan_named(self.options.plan, budget)}
+        if self.options.plan == "joint":
+            for name in ("keys", "keys-values"):
+                try:
+                    candidates[name] = self.plan_named(name, budget)
+                except HfcompressError:
+                    continue  # below what that plan reaches
+        return candidates
+
+    def search_budget(self, planner: Planner) -> float:
+        """--kv-ppl-budget: the lowest budget, in steps of SEARCH_STEP from 1 down to --kv-budget, whose plan (the best
+        candidate, for joint) keeps the selection perplexity within the limit, training-free. A binary search over the
+        steps (about log2 of their count, each a streamed pass over the selection tokens), assuming a smaller budget
+        never scores better; every probe is reported."""
+        base, limit = selection_limit(planner, self.options.ppl_budget, "--kv-ppl-budget")
+        floor = self.options.kv_budget
+        steps = math.ceil((1.0 - floor) / SEARCH_STEP - 1e-9)
+
+        def budget_at(step: int) -> float:
+            return max(round(1.0 - step * SEARCH_STEP, 4), floor)
+
+        def perplexity_at(step: int) -> float:
+            try:
+                candidates = self.candidate_plans(budget_at(step))
+            except HfcompressError:
+                return math.inf  # below what the plan reaches on this model
+            return min(self.score(planner, name, budget_at(step), plan) for name, plan in candidates.items())
+
+        step, probes = largest_within(steps, perplexity_at, limit)
+        self.search = {
+            "ppl_budget": self.options.ppl_budget, "original_perplexity": base, "limit": limit, "floor": floor, "step": SEARCH_STEP,
+            "probes": [
+                {"budget": budget_at(p["count"]), "within_budget": p["within_budget"],
+                 "perplexity": p["perplexity"] if math.isfinite(p["perplexity"]) else None}  # None: the plan cannot reach it
+                for p in probes
+            ],
+            **{k: planner.notes[k] for k in ("tokens", "context")},
+        }  # fmt: skip
+        console.log(f"kv search: --kv-budget {budget_at(step):g} within +{self.options.ppl_budget:g}% ({len(probes)} probes)")
+        return budget_at(step)
+
+    def score(self, planner: Planner, name: str, budget: float, plan: "KeyPlan") -> float:
+        """Selection perplexity of `plan` (candidate `name` at `budget`) applied alone, training-free; each scored
+        once."""
+        if (name, budget) not in self.scores:
+            variant = KeysMethod(self.options)
+            variant.store, variant.subspaces, variant.value_subspaces = self.store, self.subspaces, self.value_subspaces
+            variant.width, variant.dropped = self.width, plan.dropped
+            variant.set_plan(plan)
+            self.scores[name, budget] = planner.selection_perplexity([variant])
+            console.log(f"kv plan: {name} at {budget:g}: selection perplexity {self.scores[name, budget]:.3f}")
+        return self.scores[name, budget]
 
     def plan_named(self, name: str, budget: float) -> "KeyPlan":
         """The plan `name` (keys, keys-values, joint) of the layers that keep their attention, for the whole model's
@@ -291,7 +345,7 @@ class KeysMethod(Method):
         """The plan this conversion chose at FRONTIER_BUDGETS and at its own budget, each it reaches: per point the
         projectors on the original's keys and values that its latents give, and the attentions it drops."""
         points = []
-        for budget in sorted({*FRONTIER_BUDGETS, self.options.kv_budget}, reverse=True):
+        for budget in sorted({*FRONTIER_BUDGETS, self.budget}, reverse=True):
             try:
                 plan = self.plan_named(self.chosen_plan, budget)
             except HfcompressError:
@@ -306,17 +360,12 @@ class KeysMethod(Method):
 
     def best_candidate(self, planner: Planner, candidates: dict[str, "KeyPlan"]) -> str:
         """The candidate of least selection perplexity (each applied alone, training-free), recorded for the report."""
-        self.candidates = []
-        if planner.selection_perplexity is None or len(candidates) == 1:
-            return "joint"
-        for name, plan in candidates.items():
-            variant = KeysMethod(self.options)
-            variant.store, variant.subspaces, variant.value_subspaces = self.store, self.subspaces, self.value_subspaces
-            variant.width, variant.dropped = self.width, plan.dropped
-            variant.set_plan(plan)
-            perplexity = planner.selection_perplexity([variant])
-            self.candidates.append({"plan": name, "selection_perplexity": perplexity, "dropped_attention_layers": plan.dropped})
-            console.log(f"kv plan: candidate {name}: selection perplexity {perplexity:.3f}")
+        if len(candidates) == 1:
+            return next(iter(candidates))
+        self.candidates = [
+            {"plan": name, "selection_perplexity": self.score(planner, name, self.budget, plan), "dropped_attention_layers": plan.dropped}
+            for name, plan in candidates.items()
+        ]  # fmt: skip
         return min(self.candidates, key=lambda row: row["selection_perplexity"])["plan"]
 
     def set_plan(self, plan: "KeyPlan") -> None:
@@ -385,8 +434,9 @@ class KeysMethod(Method):
         """The saving scaled by count / changed layers (a layer's keys and its values count apart, as the back-off
         counts them): a --kv-budget closer to 1 (the plan then narrows about as many latents, each less)."""
         changed = len(self.ranks) + len(self.value_ranks) + len(self.dropped)
-        budget = round(1.0 - (1.0 - self.options.kv_budget) * count / changed, 4)
-        return replace(options, keys=replace(options.keys, kv_budget=budget)), f"--kv-budget {budget:g}"
+        budget = round(1.0 - (1.0 - self.budget) * count / changed, 4)
+        # a searched budget is replaced by the raised one: the next attempt converts at it, searching nothing
+        return replace(options, keys=replace(options.keys, kv_budget=budget, ppl_budget=None)), f"--kv-budget {budget:g}"
 
     def config_entries(self) -> dict:
         entries = {"key_ranks": {str(idx): rank for idx, rank in self.ranks.items()}} if self.ranks else {}
@@ -396,7 +446,7 @@ class KeysMethod(Method):
 
     def report(self) -> dict:
         return {
-            "kv_budget": self.options.kv_budget, "plan": self.options.plan, "chosen_plan": self.chosen_plan,
+            "kv_budget": self.budget, "plan": self.options.plan, "chosen_plan": self.chosen_plan, "search": self.search,
             "dropped_attention_layers": self.dropped,
             "criterion": CRITERION, "layout": "pre-RoPE latent, RoPE on the rebuilt keys",
             "kv_values_per_token": self.values, "layers": self.rows, "candidates": self.candidates,

@@ -34,7 +34,22 @@ class KeyOptions:
         "costs least by measured effect).", "--kv-plan",
     )  # fmt: skip
 
+    # percent: search the budget instead of taking it: the lowest, in steps of method.SEARCH_STEP from 1 down to
+    # --kv-budget, whose plan keeps the perplexity on held-out calibration text (the selection tokens) within +PCT before
+    # any training, which then only lowers it. None: --kv-budget is the budget
+    ppl_budget: float | None = option(
+        None, "Search the budget: the lowest, down to --kv-budget, whose plan keeps perplexity within +PCT on held-out "
+        "calibration text before any training (a few scored plans; distillation then lowers it).", "--kv-ppl-budget",
+    )  # fmt: skip
+
     def validate(self) -> "KeyOptions":
+        if self.ppl_budget is not None and not self.ppl_budget > 0:
+            raise HfcompressError(f"--kv-ppl-budget must be a percentage > 0, got {self.ppl_budget}.")
+        if self.ppl_budget is not None and self.kv_budget == 1.0:
+            raise HfcompressError(
+                "--kv-ppl-budget searches budgets from 1.0 down to --kv-budget, which is 1.0 (off): give --kv-budget "
+                "the lowest budget you accept, e.g. --kv-budget 0.5 --kv-plan keys-values."
+            )
         if self.plan not in KV_PLANS:
             raise HfcompressError(f"Unknown --kv-plan '{self.plan}': choose one of {', '.join(KV_PLANS)}.")
         if not 0.5 < self.kv_budget <= 1.0 and not (self.plan in BELOW_HALF and 0.0 < self.kv_budget <= 1.0):

@@ -7,7 +7,7 @@ import torch
 
 from ..conversion.calibrate import cache_key, load_or_compute
 from ..errors import HfcompressError
-from ..conversion.layer_plan import LayerPlan, kv_values, largest_within, plan_sequence, ranked_actions
+from ..conversion.layer_plan import LayerPlan, kv_values, largest_within, plan_sequence, ranked_actions, selection_limit
 from ..conversion.methods import LayerContext, Method, Planner, register
 from ..progress import console
 from .fit import FittedLayer, fit_inputs, fit_shared_layer, shared_attention
@@ -100,7 +100,7 @@ class LisaMethod(Method):
             def perplexity_of(layers: list[int]) -> float:
                 return self.score(planner, layers, fixed_drops)
 
-            base, limit = self.search_limit(planner)
+            base, limit = selection_limit(planner, options.ppl_budget, "--lisa-ppl-budget")
             self.chosen, probes = search_layers_by_perplexity(ranked_candidates(similarity, options), perplexity_of, limit)
             self.search = {"original_perplexity": base, "limit": limit, "probes": probes, **search_notes(planner)}
             console.log(f"lisa search: {len(self.chosen)} layers within +{options.ppl_budget:g}% ({len(probes)} fits)")
@@ -120,17 +120,6 @@ class LisaMethod(Method):
         variant.similarity, variant.store = self.similarity, self.store
         variant.plan(planner)
         return planner.selection_perplexity([variant])
-
-    def search_limit(self, planner: Planner) -> tuple[float, float]:
-        """(original selection perplexity, the search's limit) for --lisa-ppl-budget."""
-        tokens, context = planner.notes["tokens"], planner.notes["context"]
-        if tokens < context:
-            raise HfcompressError(
-                f"--lisa-ppl-budget needs {context} calibration tokens beyond the calibration sequences, the text "
-                f"has {tokens}: give a longer --calib-text or fewer --calib-sequences."
-            )
-        base = planner.selection_perplexity([])
-        return base, base * (1 + self.options.ppl_budget / 100)
 
     def plan_layers(self, planner: Planner, similarity: list[LayerSimilarity]) -> LayerPlan:
         """--layer-plan drop | mixed: actions ranked by estimated cost per KV value saved (layer_plan.py), as many as
@@ -154,7 +143,7 @@ class LisaMethod(Method):
         def perplexity_of(count: int) -> float:
             return self.score(planner, plans[count].shared, sorted({*plans[count].dropped, *fixed_drops}))
 
-        base, limit = self.search_limit(planner)
+        base, limit = selection_limit(planner, options.ppl_budget, "--lisa-ppl-budget")
         count, probes = largest_within(len(plans) - 1, perplexity_of, limit)
         probes = [{"count": p["count"], "layers": plans[p["count"]].shared, "dropped": plans[p["count"]].dropped, **p} for p in probes]
         self.search = {"original_perplexity": base, "limit": limit, "probes": probes, **search_notes(planner)}

@@ -290,3 +290,22 @@ def test_a_calibration_text_shorter_than_a_distillation_window_is_refused():
     check_distill_text(ConvertOptions(source="x", out=Path("o"), distill=DistillOptions(tokens=0, seq_len=8192)), 5000, 1)
     generated = ConvertOptions(source="x", out=Path("o"), distill=DistillOptions(tokens=4096, seq_len=8192, data="generated"))
     check_distill_text(generated, 5000, 1)  # windows the teacher writes: no text needed
+
+
+def test_a_perplexity_search_without_a_selection_window_is_refused():
+    """--kv-ppl-budget and --lisa-ppl-budget score plans on the calibration text after the calibration sequences: with
+    less than one evaluation window of it, the search is refused before calibration, not after."""
+    from hfcompress.conversion.config import ConvertOptions
+    from hfcompress.conversion.preflight import check_search_text
+    from hfcompress.errors import HfcompressError
+    from hfcompress.keys import KeyOptions
+    from hfcompress.lisa import LisaOptions
+
+    for flag, options in (
+        ("--kv-ppl-budget", ConvertOptions(source="x", out=Path("o"), keys=KeyOptions(kv_budget=0.5, plan="keys-values", ppl_budget=10))),
+        ("--lisa-ppl-budget", ConvertOptions(source="x", out=Path("o"), lisa=LisaOptions(ppl_budget=10))),
+    ):  # fmt: skip
+        with pytest.raises(HfcompressError, match=f"{flag} needs {options.eval_context} calibration tokens .* the text has 100"):
+            check_search_text(options, 100)
+        check_search_text(options, options.eval_context)
+    check_search_text(ConvertOptions(source="x", out=Path("o")), 100)  # no search: no selection text needed

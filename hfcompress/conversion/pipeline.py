@@ -39,7 +39,7 @@ from .methods import Finisher, FrontierPoint, Method
 from .output import save_rest, write_output
 from .passes import Converted, calibrate, convert_layers, plan
 from ..evidence.peers import kv_values_per_token
-from .preflight import check_distill_text, check_output, check_push_target, check_run_disk, output_lock
+from .preflight import check_distill_text, check_output, check_search_text, check_push_target, check_run_disk, output_lock
 from ..progress import console, heartbeat
 from .push import push_folder, require_token
 from .registry import build_methods
@@ -195,6 +195,7 @@ def check_resources(run: Run, methods: list[Method], finishers: list[Finisher], 
     check_run_disk(run, methods, out_dir)
     whole = WholeModelSteps.decide(run.options, run.checkpoint, finishers, run.device)
     check_distill_text(run.options, len(run.streams.calib_ids), len(run.streams.prefix))
+    check_search_text(run.options, len(run.streams.selection_ids))
     return whole
 
 

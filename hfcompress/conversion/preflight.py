@@ -24,8 +24,9 @@ The checks made before any model work, in the order they run (`CHECKED_OPTIONS` 
    low-rank rank); room in the cache for a GGUF's one-time dequantising.
 6. Disk (`check_run_disk`, before calibration): free space for what the run will still write into the calibration
    cache and the output, estimated from the model's shapes and the options; refused with the figures.
-7. The tokenised texts (`check_distill_text`, before calibration): a calibration text longer than one distillation
-   window, when distillation draws its windows from it.
+7. The tokenised texts (`check_distill_text`, `check_search_text`, before calibration): a calibration text longer than
+   one distillation window, when distillation draws its windows from it; one evaluation window of it beyond the
+   calibration sequences, when a perplexity search scores plans there.
 """
 
 import errno
@@ -55,7 +56,7 @@ CHECKED_OPTIONS = {
     "--back-off": "1: only where --share-ratio sets a count, on one process",
     "--share-ratio": "1: in [0, 1), alone; 5: the layers it can reach",
     "--lisa-layers": "1: >= 1, not dropped, not below the layer a drop removes, not protected; 5: in range, attention types",
-    "--lisa-ppl-budget": "1: > 0, alone; 5: a layer to search",
+    "--lisa-ppl-budget": "1: > 0, alone; 5: a layer to search; 7: a selection text of one window",
     "--protect-first": "1: >= 0, against --lisa-layers; 5: the layers a ratio can reach",
     "--layer-plan": "1: share, drop or mixed; not with --lisa-layers",
     "--drop-attention-layers": "1: >= 1, against --lisa-layers; 5: in range",
@@ -70,6 +71,7 @@ CHECKED_OPTIONS = {
     "--fasc-budget": "1: in (0, 1]",
     "--kv-budget": "1: in (0.5, 1], (0, 1] with --kv-plan keys-values or joint; 5: every layer (joint: layer 0) keeps its values (keys-values: 8) and 8 key values a token",
     "--kv-plan": "1: keys, keys-values or joint",
+    "--kv-ppl-budget": "1: > 0, with --kv-budget below 1; 7: a selection text of one window",
     "--fasc-method": "1: fisher, whiten, svd or pca",
     "--fasc-targets": "1: linears FASC can factorise",
     "--fasc-rho-keep": "1: >= 0",
@@ -363,6 +365,17 @@ def check_distill_text(options, text_tokens: int, prefix_tokens: int) -> None:
 
     if options.distill.tokens and options.distill.data != "generated":
         require_window(text_tokens, options.distill.seq_len - prefix_tokens)
+
+
+def check_search_text(options, selection_tokens: int) -> None:
+    """A perplexity search (--lisa-ppl-budget, --kv-ppl-budget) scores its plans on the calibration text beyond the
+    calibration sequences: at least one evaluation window of it; from the tokenised texts, before calibration."""
+    for flag, value in (("--lisa-ppl-budget", options.lisa.ppl_budget), ("--kv-ppl-budget", options.keys.ppl_budget)):
+        if value is not None and selection_tokens < options.eval_context:
+            raise HfcompressError(
+                f"{flag} needs {options.eval_context} calibration tokens beyond the calibration sequences, the text has "
+                f"{selection_tokens}: give a longer --calib-text or fewer --calib-sequences."
+            )
 
 
 def _existing(path: Path) -> Path:

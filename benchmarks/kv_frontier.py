@@ -6,7 +6,8 @@ reports (issue 41).
 Each DIR is a `hfcompress convert` output. KV: cached values a token against the original's (the report's
 `keys.kv_values_per_token`, else the peers'). Texts: the gate's rows. Decode: the long-context speed rows stored by
 `benchmarks/long_context.py --card DIR` (decode tok/s against the original's, side by side), else the conversion's own
-speed step, else "-". The peers of each run (training-free, at that run's saving) are listed below the table.
+speed step, else "-". The peers of each run (training-free, at that run's saving) are listed below the table, then the
+frontier of each run's plan that its card draws (the plan at other budgets, training-free), where the report has one.
 """
 
 import argparse
@@ -26,7 +27,9 @@ def plan_of(report: dict) -> str:
     if keys:
         chosen = keys.get("chosen_plan", keys.get("plan", "keys"))
         named = f"--kv-plan {keys.get('plan', 'keys')}" + (f" (kept {chosen})" if chosen != keys.get("plan", "keys") else "")
-        parts.append(f"{named} --kv-budget {keys['kv_budget']:g}")
+        search = keys.get("search")
+        found = f" --kv-ppl-budget {search['ppl_budget']:g} (found {keys['kv_budget']:g})" if search else ""
+        parts.append(f"{named} --kv-budget {search['floor'] if search else keys['kv_budget']:g}{found}")
     dropped = sorted({*(lisa.get("dropped_attention_layers") or []), *(keys.get("dropped_attention_layers") or [])})
     if dropped:
         parts.append(f"attention dropped {dropped}")
@@ -68,7 +71,7 @@ def main() -> None:
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     originals = " | ".join(f"{row['original']['perplexity']:.3f}" for row in reports[0][1]["validation"]["texts"])
     lines.append(f"| original | 1.000x | {originals} | | | |")
-    peers = []
+    peers, frontier = [], []
     for directory, report in reports:
         validation = report["validation"]
         changes = " | ".join(
@@ -83,10 +86,14 @@ def main() -> None:
         for peer in (report.get("peers") or {}).get("peers", []):
             scores = ", ".join(f"{100 * (p / o - 1):+.1f}%" for p, o in zip(peer["perplexity"].values(), originals))
             peers.append(f"- {directory.name}: {peer['name']} at {peer['kv_ratio']:.3f}x: {scores}")
+        for point in (report.get("peers") or {}).get("frontier", []):
+            scores = ", ".join(f"{100 * (p / o - 1):+.1f}%" for p, o in zip(point["perplexity"].values(), originals))
+            frontier.append(f"- {directory.name}: {point['name']} at {point['kv_ratio']:.3f}x: {scores}")
     section = [
         f"## {args.title}", "", f"`python {' '.join(['benchmarks/kv_frontier.py', *map(str, args.dirs)])}` "
         f"({datetime.date.today().isoformat()})", "", *lines, "", "Training-free peers at each run's saving:", "",
         *peers, "",
+        *(["The card's frontier: each run's plan at other budgets, training-free (peers step):", "", *frontier, ""] if frontier else []),
     ]  # fmt: skip
     print("\n".join(section))
     if args.markdown:

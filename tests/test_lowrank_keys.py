@@ -362,10 +362,11 @@ def test_the_joint_kv_plan_drops_attention_and_keeps_the_best_candidate(checkpoi
 
 
 @pytest.mark.slow
-def test_the_peers_score_the_plan_at_other_budgets_and_the_own_point_is_the_untrained_conversion(checkpoints, tmp_path):
-    """`--kv-plan keys-values --kv-budget 0.6` without training on Qwen3 (k_norm: the keys' statistics come from after
-    it): the peers step scores the plan at FRONTIER_BUDGETS and at its own budget, training-free, as projections in
-    transformers' model. Each point caches what its budget allows, no two are the same model, and the point at
+def test_the_searched_plan_and_its_frontier_the_own_point_being_the_untrained_conversion(checkpoints, tmp_path):
+    """`--kv-plan keys-values --kv-budget 0.5 --kv-ppl-budget 1000` without training on Qwen3 (k_norm: the keys'
+    statistics come from after it): the search scores plans on the selection tokens and, every one within a limit a
+    random model cannot exceed, keeps the floor, 0.5; the report and the card list its probes. The peers step scores
+    the plan at FRONTIER_BUDGETS (its own among them), training-free, as projections in transformers' model. Each point caches what its budget allows, no two are the same model, and the point at
     the conversion's own budget is the streamed conversion itself (nothing was trained): its perplexity on every text
     equals the validated one. The card draws the frontier in the trade-off plot and lists it."""
     import json
@@ -379,15 +380,17 @@ def test_the_peers_score_the_plan_at_other_budgets_and_the_own_point_is_the_untr
     out = tmp_path / "out"
     fast = [arg for arg in FAST if arg not in ("--fasc-budget", "0.8")]
     args = ["convert", str(checkpoints["qwen3"]), "--out", str(out), *fast, "--share-ratio", "0",
-            "--kv-plan", "keys-values", "--kv-budget", "0.6", "--peers"]  # fmt: skip
+            "--kv-plan", "keys-values", "--kv-budget", "0.5", "--kv-ppl-budget", "1000", "--peers"]  # fmt: skip
     result = CliRunner().invoke(app, args, env={"HFCOMPRESS_CACHE": str(tmp_path / "cache")})
     assert result.exit_code == 0, result.output
     report = json.loads((out / "hfcompress_report.json").read_text())
     frontier = report["peers"]["frontier"]
-    assert [point["budget"] for point in frontier] == sorted({*FRONTIER_BUDGETS, 0.6}, reverse=True)
+    search = report["keys"]["search"]
+    assert report["keys"]["kv_budget"] == 0.5 and search["probes"] and all(p["within_budget"] for p in search["probes"])
+    assert [point["budget"] for point in frontier] == sorted(FRONTIER_BUDGETS, reverse=True)
     assert all(point["kv_ratio"] <= point["budget"] + 1e-9 for point in frontier)
     assert [p["kv_ratio"] for p in frontier] == sorted((p["kv_ratio"] for p in frontier), reverse=True)
-    own = next(point for point in frontier if point["budget"] == 0.6)
+    own = next(point for point in frontier if point["budget"] == 0.5)
     values = report["keys"]["kv_values_per_token"]
     assert own["kv_ratio"] == values["converted"] / values["original"]
     for text in report["validation"]["texts"]:
@@ -395,7 +398,8 @@ def test_the_peers_score_the_plan_at_other_budgets_and_the_own_point_is_the_untr
         # a random tiny model's perplexity barely moves, but every point is its own model
         assert frontier[-1]["perplexity"][text["eval_text"]] != pytest.approx(frontier[0]["perplexity"][text["eval_text"]], rel=1e-7)
     card = (out / "README.md").read_text()
-    assert "| keys-values at 0.5 |" in card and "plots/tradeoff.png" in card and (out / "plots" / "tradeoff.png").exists()
+    assert "| keys-values at 0.6 |" in card and "plots/tradeoff.png" in card and (out / "plots" / "tradeoff.png").exists()
+    assert "The budget was searched (`--kv-ppl-budget 1000`)" in " ".join(card.split())
 
 
 def test_a_kv_budget_for_the_joint_plan_only_is_refused_for_keys_alone(tmp_path):

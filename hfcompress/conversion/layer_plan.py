@@ -19,7 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from ..errors import HfcompressError
 
 # --layer-plan: what the ratio and the search may do to a layer ("share" keeps LISA's own ranking: lisa.ranked_candidates)
 PLAN_KINDS = ("share", "drop", "mixed")
@@ -111,17 +110,17 @@ def plan_sequence(actions: list[Action], max_chain: int | None = None) -> list[L
         plans.append(bigger)
 
 
-def selection_limit(planner, percent: float, flag: str) -> tuple[float, float]:
-    """(the original's selection perplexity, the limit `percent` above it) for a perplexity search given by `flag`
-    (planner: methods.Planner); refused when the selection text is shorter than one evaluation window."""
-    tokens, context = planner.notes["tokens"], planner.notes["context"]
-    if tokens < context:
-        raise HfcompressError(
-            f"{flag} needs {context} calibration tokens beyond the calibration sequences, the text has {tokens}: give a "
-            "longer --calib-text or fewer --calib-sequences."
-        )
+def selection_limit(planner, percent: float) -> tuple[float, float]:
+    """(the original's selection perplexity, the limit `percent` above it) for a perplexity search (planner:
+    methods.Planner; that the selection text holds one evaluation window is checked before calibration,
+    preflight.check_search_text)."""
     base = planner.selection_perplexity([])
     return base, base * (1 + percent / 100)
+
+
+def search_notes(planner) -> dict:
+    """What the report keeps of the planner's notes about a perplexity search: the selection text's size."""
+    return {k: planner.notes[k] for k in ("tokens", "context")}
 
 
 def largest_within(most: int, value_of: Callable[[int], float], limit: float) -> tuple[int, list[dict]]:

@@ -30,7 +30,7 @@ from torch import nn
 from ..conversion.atomic import save_atomic
 from ..conversion.calibrate import LinearStats
 from ..errors import HfcompressError
-from ..conversion.layer_plan import kv_values, largest_within, selection_limit
+from ..conversion.layer_plan import kv_values, largest_within, search_notes, selection_limit
 from ..conversion.methods import FrontierPoint, LayerContext, Method, Planner, register
 from ..lisa.weights import without_attention
 from ..progress import console
@@ -268,7 +268,7 @@ class KeysMethod(Method):
         candidate, for joint) keeps the selection perplexity within the limit, training-free. A binary search over the
         steps (about log2 of their count, each a streamed pass over the selection tokens), assuming a smaller budget
         never scores better; every probe is reported."""
-        base, limit = selection_limit(planner, self.options.ppl_budget, "--kv-ppl-budget")
+        base, limit = selection_limit(planner, self.options.ppl_budget)
         floor = self.options.kv_budget
         steps = math.ceil((1.0 - floor) / SEARCH_STEP - 1e-9)
 
@@ -290,7 +290,7 @@ class KeysMethod(Method):
                  "perplexity": p["perplexity"] if math.isfinite(p["perplexity"]) else None}  # None: the plan cannot reach it
                 for p in probes
             ],
-            **{k: planner.notes[k] for k in ("tokens", "context")},
+            **search_notes(planner),
         }  # fmt: skip
         console.log(f"kv search: --kv-budget {budget_at(step):g} within +{self.options.ppl_budget:g}% ({len(probes)} probes)")
         return budget_at(step)

@@ -22,7 +22,7 @@ from .options import ALIGN_KINDS, DEFAULT_SHARE_RATIO, SELECTION_ONLY, SHOWN_SHA
 from .rank import LOWRANK_KEYS, lowrank_key_heads, lowrank_rank
 from .selection import (
     check_attention_types, check_drop_layers, check_shared_layers, most_with_max_chain, ranked_candidates,
-    search_layers_by_perplexity, search_notes, select_layers, shareable_layers, too_few_candidates,
+    search_layers_by_perplexity, select_layers, shareable_layers, too_few_candidates,
 )  # fmt: skip
 from .similarity import (
     SIMILARITY_SEQUENCES, LayerSimilarity, alignment_mix, attention_energy, group_matching, js_matrix, layer_similarity,
@@ -38,6 +38,6 @@ __all__ = [
     "check_drop_layers", "check_shared_layers", "fit_inputs", "fit_shared_layer", "full_attention_scores",
     "group_matching", "handed_over", "hands_features", "is_lisa_parameter", "js_matrix", "layer_similarity",
     "lowrank_key_heads", "lowrank_rank", "most_with_max_chain", "ranked_candidates", "relative_error", "replace_qk",
-    "rows", "scores_of", "search_layers_by_perplexity", "search_notes", "select_layers", "shareable_layers",
+    "rows", "scores_of", "search_layers_by_perplexity", "select_layers", "shareable_layers",
     "shared_attention", "shared_qk_parameters", "too_few_candidates", "without_attention",
 ]  # fmt: skip

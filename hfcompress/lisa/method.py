@@ -7,14 +7,16 @@ import torch
 
 from ..conversion.calibrate import cache_key, load_or_compute
 from ..errors import HfcompressError
-from ..conversion.layer_plan import LayerPlan, kv_values, largest_within, plan_sequence, ranked_actions, selection_limit
+from ..conversion.layer_plan import (
+    LayerPlan, kv_values, largest_within, plan_sequence, ranked_actions, search_notes, selection_limit,
+)
 from ..conversion.methods import LayerContext, Method, Planner, register
 from ..progress import console
 from .fit import FittedLayer, fit_inputs, fit_shared_layer, shared_attention
 from .handoff import Below, handed_over
 from .options import SELECTION_ONLY, LisaOptions
 from .rank import lowrank_key_heads, lowrank_rank
-from .selection import check_drop_layers, ranked_candidates, search_layers_by_perplexity, search_notes, select_layers
+from .selection import check_drop_layers, ranked_candidates, search_layers_by_perplexity, select_layers
 from .similarity import SIMILARITY_SEQUENCES, LayerSimilarity, attention_energy, layer_similarity
 from .weights import replace_qk, shared_qk_parameters, without_attention
 
@@ -100,7 +102,7 @@ class LisaMethod(Method):
             def perplexity_of(layers: list[int]) -> float:
                 return self.score(planner, layers, fixed_drops)
 
-            base, limit = selection_limit(planner, options.ppl_budget, "--lisa-ppl-budget")
+            base, limit = selection_limit(planner, options.ppl_budget)
             self.chosen, probes = search_layers_by_perplexity(ranked_candidates(similarity, options), perplexity_of, limit)
             self.search = {"original_perplexity": base, "limit": limit, "probes": probes, **search_notes(planner)}
             console.log(f"lisa search: {len(self.chosen)} layers within +{options.ppl_budget:g}% ({len(probes)} fits)")
@@ -143,7 +145,7 @@ class LisaMethod(Method):
         def perplexity_of(count: int) -> float:
             return self.score(planner, plans[count].shared, sorted({*plans[count].dropped, *fixed_drops}))
 
-        base, limit = selection_limit(planner, options.ppl_budget, "--lisa-ppl-budget")
+        base, limit = selection_limit(planner, options.ppl_budget)
         count, probes = largest_within(len(plans) - 1, perplexity_of, limit)
         probes = [{"count": p["count"], "layers": plans[p["count"]].shared, "dropped": plans[p["count"]].dropped, **p} for p in probes]
         self.search = {"original_perplexity": base, "limit": limit, "probes": probes, **search_notes(planner)}

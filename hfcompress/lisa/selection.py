@@ -13,7 +13,6 @@ from collections.abc import Callable
 
 from ..errors import HfcompressError
 from ..conversion.layer_plan import chain_length, largest_within
-from ..conversion.methods import Planner
 from .similarity import LayerSimilarity
 
 
@@ -29,11 +28,6 @@ def select_layers(similarity: list[LayerSimilarity], num_layers: int, options) -
     if count > len(candidates):
         raise HfcompressError(too_few_candidates(options, count, len(candidates)))
     return sorted(candidates[:count])
-
-
-def search_notes(planner: Planner) -> dict:
-    """What the report keeps of the planner's notes about a perplexity search: the selection text's size."""
-    return {k: planner.notes[k] for k in ("tokens", "context")}
 
 
 def check_drop_layers(layers: list[int], num_layers: int) -> None:
